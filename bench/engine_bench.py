@@ -1,0 +1,183 @@
+"""Engine benchmark: the demo model on real vLLM, every static tier side by side in one run.
+
+For each drafter (ngram, draft_model), workload (copy: repetitive text, greedy; free: code
+openings sampled at T=0.8), K in {0,1,3,7,15} and concurrency in {1,8}: tokens/s, mean
+acceptance length (1 + accepted/drafts, vLLM's definition), speed-up over K=0 in the same run,
+and the median step time per (batch, K), which calibrates the simulator's cpu-demo preset.
+Also the cost of one tier switch (median, p99) measured under load.
+
+    python -m bench.engine_bench --markdown bench/results/engine_bench.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.workloads import HIGH, LOW, Prompt
+from replicas.engines.base import GenerationRequest, StepRecord
+from replicas.engines.spec import EngineSpec
+from replicas.engines.vllm_engine import VllmEngine
+from replicas.tier_pool import TierPool
+
+TIERS = (0, 1, 3, 7, 15)
+CONCURRENCY = (1, 8)
+WORKLOADS = {"copy": HIGH, "free": LOW}
+
+
+@dataclass
+class Row:
+    drafter: str
+    workload: str
+    concurrency: int
+    k: int
+    tokens_per_s: float
+    accept_len: float
+    median_step_ms: float
+    speedup_vs_k0: float = 1.0
+
+
+async def run_batch(engine: VllmEngine, prompts: list[Prompt], max_tokens: int) -> int:
+    async def one(index: int, prompt: Prompt) -> int:
+        request = GenerationRequest(
+            request_id=uuid.uuid4().hex, prompt=prompt.text, max_tokens=max_tokens,
+            temperature=prompt.temperature, seed=index, ignore_eos=True)
+        tokens = 0
+        async for chunk in engine.generate(request):
+            tokens = chunk.completion_tokens
+        return tokens
+
+    return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+
+def summarise(steps: list[StepRecord]) -> tuple[float, float]:
+    drafts = sum(s.drafts for s in steps)
+    accepted = sum(s.accepted_tokens for s in steps)
+    timed = [s.wall_s for s in steps if s.wall_s > 0]
+    accept_len = 1 + accepted / drafts if drafts else 1.0
+    return accept_len, 1000 * statistics.median(timed) if timed else 0.0
+
+
+async def measure(engine: VllmEngine, pool: TierPool, drafter: str, rounds: int,
+                  max_tokens: int) -> list[Row]:
+    rows = []
+    for workload, prompts in WORKLOADS.items():
+        for concurrency in CONCURRENCY:
+            batch = [prompts[i % len(prompts)] for i in range(concurrency)]
+            await pool.switch(0)
+            await run_batch(engine, batch, 8)  # warm caches for this batch shape
+            for k in TIERS:
+                await pool.switch(k)
+                engine.drain_steps()
+                started, tokens = time.perf_counter(), 0
+                for _ in range(rounds):
+                    tokens += await run_batch(engine, batch, max_tokens)
+                elapsed = time.perf_counter() - started
+                accept_len, step_ms = summarise(engine.drain_steps())
+                rows.append(Row(drafter, workload, concurrency, k, tokens / elapsed,
+                                accept_len, step_ms))
+                print(f"{drafter:11s} {workload:4s} c={concurrency} K={k:2d} "
+                      f"{tokens / elapsed:7.1f} tok/s  accept_len {accept_len:5.2f}  "
+                      f"step {step_ms:6.1f} ms", flush=True)
+    for row in rows:
+        base = next(r for r in rows if (r.workload, r.concurrency, r.k) ==
+                    (row.workload, row.concurrency, 0))
+        row.speedup_vs_k0 = row.tokens_per_s / base.tokens_per_s
+    return rows
+
+
+async def switch_cost(engine: VllmEngine, pool: TierPool, switches: int) -> dict[str, float]:
+    """Time tier switches while eight requests are decoding."""
+    load = asyncio.create_task(run_batch(engine, list(HIGH), 256))
+    await asyncio.sleep(0.5)
+    seconds = []
+    for i in range(switches):
+        change = await pool.switch(TIERS[1 + i % (len(TIERS) - 1)] if i % 2 else 0)
+        if change is not None:
+            seconds.append(change.seconds)
+        await asyncio.sleep(0.005)
+    await load
+    seconds.sort()
+    return {"switches": len(seconds), "median_ms": 1000 * statistics.median(seconds),
+            "p99_ms": 1000 * seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))]}
+
+
+async def bench(args: argparse.Namespace) -> dict:
+    results: dict = {"rows": [], "switch_cost": {}}
+    for drafter in args.drafters:
+        spec = EngineSpec(drafter=drafter, kmax=max(TIERS), cpu_threads=args.threads)
+        engine = VllmEngine(spec)
+        await engine.start()
+        try:
+            pool = TierPool(engine, TIERS, initial_k=0)
+            await pool.apply_initial()
+            rows = await measure(engine, pool, drafter, args.rounds, args.max_tokens)
+            results["rows"].extend(asdict(r) for r in rows)
+            results["switch_cost"][drafter] = await switch_cost(engine, pool, args.switches)
+            print(f"{drafter} tier switch: {results['switch_cost'][drafter]}", flush=True)
+        finally:
+            await engine.shutdown()
+    return results
+
+
+def markdown(results: dict) -> str:
+    lines = ["| drafter | workload | concurrency | K | tok/s | vs K=0 | accept len | step ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        lines.append(f"| {r['drafter']} | {r['workload']} | {r['concurrency']} | {r['k']} | "
+                     f"{r['tokens_per_s']:.1f} | {r['speedup_vs_k0']:.2f}x | "
+                     f"{r['accept_len']:.2f} | {r['median_step_ms']:.1f} |")
+    lines += ["", "| drafter | tier switches timed | median ms | p99 ms |", "|---|---|---|---|"]
+    for drafter, cost in results["switch_cost"].items():
+        lines.append(f"| {drafter} | {cost['switches']} | {cost['median_ms']:.2f} | "
+                     f"{cost['p99_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["drafter"], r["workload"]) for r in results["rows"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
+    for ax, (drafter, workload) in zip(axes[0], panels, strict=True):
+        for concurrency in CONCURRENCY:
+            rows = [r for r in results["rows"] if (r["drafter"], r["workload"],
+                                                   r["concurrency"]) == (drafter, workload,
+                                                                         concurrency)]
+            ax.plot([r["k"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o",
+                    label=f"concurrency {concurrency}")
+        ax.set(title=f"{drafter}, {workload}", xlabel="K", ylabel="tok/s", xticks=TIERS)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--drafters", nargs="+", default=["ngram", "draft_model"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--switches", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--markdown", type=Path, default=Path("bench/results/engine_bench.md"))
+    args = parser.parse_args()
+    results = asyncio.run(bench(args))
+    table = markdown(results)
+    print(table)
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    args.markdown.write_text(table)
+    args.markdown.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.markdown.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

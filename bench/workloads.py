@@ -1,0 +1,51 @@
+"""Prompt sets with known acceptance behaviour on the demo models (trained on Python source).
+
+High-acceptance prompts end in a run of repeated lines: the model keeps repeating them and
+prompt-lookup (ngram) drafting finds every continuation in the context. Low-acceptance prompts
+open free-form code and are sampled at temperature 0.8, so drafts rarely match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    temperature: float
+    request_class: str
+
+
+def _repeated(line: str, times: int = 16) -> str:
+    return line * times
+
+
+HIGH_TEXTS = (
+    _repeated("READY = True\n"),
+    _repeated("    self.assertEqual(result, expected)\n"),
+    _repeated("import os\n"),
+    _repeated("        return None\n"),
+    _repeated("x = x + 1\n"),
+    _repeated("print('READY')\n"),
+    _repeated("    pass\n"),
+    _repeated("# READY\n"),
+)
+
+LOW_TEXTS = (
+    "def parse_header(line):\n    \"\"\"",
+    "class Connection:\n    def __init__(self, host, port",
+    "import re\n\n\ndef tokenize(text",
+    "    def __repr__(self):\n        return",
+    "def _check_arguments(args, kwargs):\n",
+    "class Node:\n    \"\"\"A node in",
+    "    if not isinstance(value, str):\n        raise",
+    "def main(argv=None):\n    parser =",
+)
+
+HIGH = tuple(Prompt(text, temperature=0.0, request_class="high") for text in HIGH_TEXTS)
+LOW = tuple(Prompt(text, temperature=0.8, request_class="low") for text in LOW_TEXTS)
+
+# Greedy prompts for identity tests: one copy task, and free openings decoded greedily.
+COPY_PROMPT = HIGH_TEXTS[0]
+FREE_PROMPTS = LOW_TEXTS

@@ -1,0 +1,103 @@
+"""The engine protocol every adapter implements (vLLM, SGLang, simulator)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class EngineInputError(ValueError):
+    """The request cannot be served as asked (too long, bad sampling values, ...).
+
+    Raised before anything is generated; the HTTP layer turns it into a 400.
+    """
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    request_class: str = "default"
+    """A label for acceptance statistics (the router and hub keep acceptance per class)."""
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """New output since the previous chunk of the same request."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    """Total so far, not the delta."""
+    finish_reason: str | None = None
+    logprobs: tuple[dict[int, float], ...] | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one engine step did. The control loop folds these into policy Signals."""
+
+    running: int
+    waiting: int
+    k: int
+    """The K in force for this step."""
+    wall_s: float
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+    drafted_per_pos: tuple[int, ...] = ()
+    generated_tokens: int = 0
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative counters since the engine started (what metrics export)."""
+
+    steps: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    generated_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    drafted_per_pos: list[int] = field(default_factory=list)
+    running: int = 0
+    waiting: int = 0
+    k: int = 0
+
+
+class Engine(Protocol):
+    """An inference engine with run-time speculation depth.
+
+    `kmax` is the largest K the engine was built for; `set_k` takes any K in [0, kmax] and
+    applies it from the next scheduled step on. Stats come two ways: `drain_steps()` returns
+    the per-step records since the last call (for the control loop), `counters()` the totals.
+    """
+
+    name: str
+    kmax: int
+    max_model_len: int
+
+    async def start(self) -> None: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def set_k(self, k: int) -> None: ...
+
+    def drain_steps(self) -> list[StepRecord]: ...
+
+    def counters(self) -> EngineCounters: ...
+
+    async def shutdown(self) -> None: ...

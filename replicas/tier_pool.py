@@ -1,0 +1,85 @@
+"""The adaptive tier pool: candidate K values prepared at start-up, switched between steps.
+
+A tier is one candidate K together with the engine state prepared for it. The engine is built
+once for the largest candidate (`kmax`): on vLLM that sizes the drafter, the verify buffers and
+(on GPUs) the CUDA graphs for every K up to kmax, so moving between candidates is a change of
+one scheduler value between two steps, never a rebuild or a re-allocation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from replicas.engines.base import Engine
+
+
+def validate_candidates(candidates: Sequence[int], kmax: int) -> tuple[int, ...]:
+    """Candidates must be sorted, unique, >= 0 and <= the engine's kmax."""
+    values = tuple(int(k) for k in candidates)
+    if not values:
+        raise ValueError("candidate K list is empty")
+    if any(k < 0 for k in values):
+        raise ValueError(f"candidate K values must be >= 0, got {list(values)}")
+    if list(values) != sorted(set(values)):
+        raise ValueError(f"candidate K values must be sorted and unique, got {list(values)}")
+    if values[-1] > kmax:
+        raise ValueError(
+            f"candidate K {values[-1]} exceeds the engine's kmax {kmax}; "
+            "raise num_speculative_tokens or drop the candidate")
+    return values
+
+
+@dataclass(frozen=True)
+class TierSwitch:
+    from_k: int
+    to_k: int
+    seconds: float
+    """Wall time of the swap as seen by the replica (one engine utility call on vLLM)."""
+
+
+class TierPool:
+    def __init__(self, engine: Engine, candidates: Sequence[int], initial_k: int | None = None):
+        self._engine = engine
+        self.candidates = validate_candidates(candidates, engine.kmax)
+        self.active_k = self.candidates[-1] if initial_k is None else self._checked(initial_k)
+        self.switch_count = 0
+        self.recent_switch_seconds: deque[float] = deque(maxlen=1024)
+
+    def _checked(self, k: int) -> int:
+        if k not in self.candidates:
+            raise ValueError(f"K={k} is not a candidate tier {list(self.candidates)}")
+        return k
+
+    async def apply_initial(self) -> None:
+        """Put the engine on the active tier (once, after the engine started)."""
+        await self._engine.set_k(self.active_k)
+
+    async def switch(self, k: int) -> TierSwitch | None:
+        """Make `k` the active tier from the next engine step on; None when already active."""
+        k = self._checked(k)
+        if k == self.active_k:
+            return None
+        started = time.perf_counter()
+        await self._engine.set_k(k)
+        seconds = time.perf_counter() - started
+        change = TierSwitch(self.active_k, k, seconds)
+        self.active_k = k
+        self.switch_count += 1
+        self.recent_switch_seconds.append(seconds)
+        return change
+
+    async def set_candidates(self, candidates: Sequence[int], initial_k: int | None = None
+                             ) -> TierSwitch | None:
+        """Replace the candidate list at run time (within the engine's kmax, so no rebuild)."""
+        self.candidates = validate_candidates(candidates, self._engine.kmax)
+        if initial_k is not None:
+            target = self._checked(initial_k)
+        elif self.active_k in self.candidates:
+            target = self.active_k
+        else:  # the nearest candidate not above the old K, else the smallest
+            target = max((k for k in self.candidates if k <= self.active_k),
+                         default=self.candidates[0])
+        return await self.switch(target)
