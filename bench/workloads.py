@@ -17,19 +17,20 @@ class Prompt:
     request_class: str
 
 
-def _repeated(line: str, times: int = 16) -> str:
+def _repeated(line: str, times: int = 24) -> str:
     return line * times
 
 
+# Chosen by probing the demo target (greedy, K=7): each keeps the model repeating.
 HIGH_TEXTS = (
-    _repeated("READY = True\n"),
-    _repeated("    self.assertEqual(result, expected)\n"),
     _repeated("import os\n"),
-    _repeated("        return None\n"),
-    _repeated("x = x + 1\n"),
-    _repeated("print('READY')\n"),
     _repeated("    pass\n"),
-    _repeated("# READY\n"),
+    _repeated("    return None\n"),
+    _repeated("    None,\n"),
+    _repeated("    True,\n"),
+    _repeated("'a', "),
+    _repeated("from os import path\n"),
+    _repeated("# --------------------\n"),
 )
 
 LOW_TEXTS = (

@@ -1,9 +1,14 @@
 """The adaptive tier pool: candidate K values prepared at start-up, switched between steps.
 
 A tier is one candidate K together with the engine state prepared for it. The engine is built
-once for the largest candidate (`kmax`): on vLLM that sizes the drafter, the verify buffers and
-(on GPUs) the CUDA graphs for every K up to kmax, so moving between candidates is a change of
-one scheduler value between two steps, never a rebuild or a re-allocation.
+once for the largest candidate (`kmax`): on vLLM that sizes the drafter and the verify buffers
+for every K up to kmax, so moving between candidates is a change of one scheduler value between
+two steps, never a rebuild or a re-allocation.
+
+On GPUs, vLLM captures CUDA graphs only for the verify lengths its dynamic-SD table names at
+start-up. The engine spec's `tiers` carries the candidate list into that table (one row per
+candidate, see `vllm_engine.start_up_schedule`), so every tier has its graphs before the first
+request; vLLM's V1 runner uses piecewise graphs under dynamic SD, which cover any K.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Both share one byte-level BPE tokenizer and are trained on the Python standard library's
 source, which every machine with Python has. Seeded and budgeted in tokens, so a rerun on the
-same machine reproduces the checkpoints; on 2 idle CPU cores the default budget takes ~15 minutes.
+same machine reproduces the checkpoints; on 2 idle CPU cores the default budget takes ~40 minutes.
 
     python scripts/train_demo_models.py --out models/
 
@@ -49,10 +49,11 @@ class ModelShape:
     learning_rate: float
 
 
+# vLLM's CPU attention kernels need head_dim in {32, 64, 80, 96, 112, 128, ...}: both use 32.
 TARGET = ModelShape(hidden_size=256, num_hidden_layers=6, num_attention_heads=8,
-                    intermediate_size=768, train_tokens=2_400_000, learning_rate=2e-3)
-DRAFT = ModelShape(hidden_size=96, num_hidden_layers=1, num_attention_heads=4,
-                   intermediate_size=256, train_tokens=3_000_000, learning_rate=3e-3)
+                    intermediate_size=768, train_tokens=6_000_000, learning_rate=2e-3)
+DRAFT = ModelShape(hidden_size=128, num_hidden_layers=1, num_attention_heads=4,
+                   intermediate_size=384, train_tokens=3_000_000, learning_rate=3e-3)
 CONTEXT = 1024  # max_position_embeddings: serving context, larger than the training window
 TRAIN_WINDOW = 256
 BATCH = 16
@@ -189,6 +190,12 @@ def save(model: LlamaForCausalLM, tokenizer: Tokenizer, out: Path) -> None:
         model_max_length=CONTEXT, chat_template=CHAT_TEMPLATE,
     )
     fast.save_pretrained(out)
+    # Name the class and embed the template the way older transformers releases read them too.
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
     # The generation config would otherwise carry transformers' sampling defaults into vLLM.
     (out / "generation_config.json").unlink(missing_ok=True)
 
@@ -198,6 +205,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("models"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--models", nargs="+", choices=["target", "draft"],
+                        default=["target", "draft"], help="which checkpoints to (re)train")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply both token budgets (0.05 for a smoke run)")
     args = parser.parse_args()
@@ -217,11 +226,16 @@ def main() -> None:
 
     reports = {"corpus_train_tokens": len(train_data), "corpus_held_out_tokens": len(val_data)}
     for name, shape, seed in (("target", TARGET, args.seed), ("draft", DRAFT, args.seed + 1)):
+        if name not in args.models:
+            continue
         scaled = ModelShape(**{**asdict(shape),
                                "train_tokens": int(shape.train_tokens * args.scale)})
         model, reports[name] = train(name, scaled, tokenizer, train_data, val_data, seed)
         save(model, tokenizer, args.out / name)
-    (args.out / "training_report.json").write_text(json.dumps(reports, indent=2) + "\n")
+    report_path = args.out / "training_report.json"
+    if report_path.exists():  # keep the figures of checkpoints not retrained this time
+        reports = {**json.loads(report_path.read_text()), **reports}
+    report_path.write_text(json.dumps(reports, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 from bench.workloads import COPY_PROMPT, FREE_PROMPTS
 from replicas.engines.base import EngineInputError, GenerationRequest
 from replicas.engines.spec import DEMO_TARGET, EngineSpec
-from replicas.engines.vllm_engine import VllmEngine, cpu_bind_for_rank
+from replicas.engines.vllm_engine import VllmEngine, cpu_bind_for_rank, start_up_schedule
 from replicas.tier_pool import TierPool
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -23,35 +23,32 @@ MAX_TOKENS = 48
 
 
 def spec_for(drafter: str) -> EngineSpec:
-    return EngineSpec(model=DEMO_TARGET, drafter=drafter, kmax=7, enforce_eager=True,
-                      cpu_threads=2, max_num_seqs=16)
-
-
-async def started(drafter: str) -> VllmEngine:
-    engine = VllmEngine(spec_for(drafter))
-    await engine.start()
-    return engine
+    return EngineSpec(model=DEMO_TARGET, drafter=drafter, kmax=7, tiers=(0, 1, 3, 7),
+                      enforce_eager=True, cpu_threads=2, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")
-async def plain_engine():
-    engine = await started("none")
-    yield engine
-    await engine.shutdown()
+async def engines():
+    """One started engine per drafter ("none" is plain decoding, the reference)."""
+    started: dict[str, VllmEngine] = {}
+    try:
+        for drafter in ("none", "ngram", "draft_model"):
+            started[drafter] = VllmEngine(spec_for(drafter))
+            await started[drafter].start()
+        yield started
+    finally:
+        for engine in started.values():
+            await engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-async def ngram_engine():
-    engine = await started("ngram")
-    yield engine
-    await engine.shutdown()
+@pytest.fixture
+def plain_engine(engines) -> VllmEngine:
+    return engines["none"]
 
 
-@pytest.fixture(scope="module")
-async def draft_model_engine():
-    engine = await started("draft_model")
-    yield engine
-    await engine.shutdown()
+@pytest.fixture
+def ngram_engine(engines) -> VllmEngine:
+    return engines["ngram"]
 
 
 def greedy(prompt: str, max_tokens: int = MAX_TOKENS) -> GenerationRequest:
@@ -78,8 +75,8 @@ async def reference_outputs(plain_engine: VllmEngine) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
-async def test_greedy_outputs_identical_across_tiers(drafter, plain_engine, request):
-    engine: VllmEngine = request.getfixturevalue(f"{drafter}_engine")
+async def test_greedy_outputs_identical_across_tiers(drafter, engines, plain_engine):
+    engine = engines[drafter]
     expected = await reference_outputs(plain_engine)
     assert all(len(ids) == MAX_TOKENS for ids in expected.values())
     for k in (0, 1, 3, 7):
@@ -135,33 +132,37 @@ async def test_set_k_sets_drafted_tokens_per_step(ngram_engine, k):
 
 
 async def test_counters_agree_with_vllm_prometheus(ngram_engine):
-    """Our per-step totals equal vLLM's own spec-decode counters over the same requests."""
+    """Our per-step totals move exactly as vLLM's own spec-decode Prometheus counters do."""
     await ngram_engine.set_k(3)
-    await asyncio.gather(*(generate_ids(ngram_engine, greedy(p)) for p in [COPY_PROMPT] * 3))
-    ours = ngram_engine.counters()
-    vllm_counts = vllm_spec_counters()
-    assert ours.drafts > 0
+    ours_before, vllm_before = ngram_engine.counters(), vllm_own_counts(ngram_engine)
+    await asyncio.gather(*(generate_ids(ngram_engine, greedy(COPY_PROMPT)) for _ in range(3)))
+    ours, vllm_after = ngram_engine.counters(), vllm_own_counts(ngram_engine)
+    assert ours.drafts > ours_before.drafts
+    assert vllm_after["drafts"] - vllm_before["drafts"] == ours.drafts - ours_before.drafts
+    assert (vllm_after["draft_tokens"] - vllm_before["draft_tokens"]
+            == ours.draft_tokens - ours_before.draft_tokens)
+    assert (vllm_after["accepted_tokens"] - vllm_before["accepted_tokens"]
+            == ours.accepted_tokens - ours_before.accepted_tokens)
     assert ours.accepted_tokens <= ours.draft_tokens
-    assert vllm_counts["num_drafts"] == ours.drafts
-    assert vllm_counts["num_draft_tokens"] == ours.draft_tokens
-    assert vllm_counts["num_accepted_tokens"] == ours.accepted_tokens
     assert sum(ours.accepted_per_pos) == ours.accepted_tokens
     assert sum(ours.drafted_per_pos) == ours.draft_tokens
 
 
-def vllm_spec_counters() -> dict[str, float]:
-    """Totals of vLLM's `vllm:spec_decode_*` Prometheus counters in this process."""
-    from prometheus_client import REGISTRY
+def vllm_own_counts(engine: VllmEngine) -> dict[str, float]:
+    """The values of this engine's `vllm:spec_decode_num_*` counters.
 
-    totals: dict[str, float] = {}
-    for metric in REGISTRY.collect():
-        for sample in metric.samples:
-            name = sample.name
-            if name.startswith("vllm:spec_decode_num_") and name.endswith("_total") \
-                    and "per_pos" not in name:
-                key = name.removeprefix("vllm:spec_decode_").removesuffix("_total")
-                totals[key] = totals.get(key, 0) + sample.value
-    return totals
+    Read from the engine's own Prometheus logger: vLLM re-registers its collectors per engine,
+    so the global registry only shows the engine created last.
+    """
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    prom = next(logger for logger in engine.llm.logger_manager.stat_loggers
+                if isinstance(logger, PrometheusStatLogger)).spec_decoding_prom
+    return {
+        "drafts": prom.counter_spec_decode_num_drafts[0]._value.get(),
+        "draft_tokens": prom.counter_spec_decode_num_draft_tokens[0]._value.get(),
+        "accepted_tokens": prom.counter_spec_decode_num_accepted_tokens[0]._value.get(),
+    }
 
 
 async def test_tier_pool_switches_between_steps(ngram_engine):
@@ -188,3 +189,11 @@ def test_cpu_bind_gives_each_rank_its_own_cores():
     assert [cpu_bind_for_rank(r, 1, 2) for r in range(3)] == ["0", "1", "0"]
     assert cpu_bind_for_rank(0, 2, 2) == "0-1"
     assert cpu_bind_for_rank(1, 2, 8) == "2-3"
+
+
+def test_start_up_schedule_names_every_tier():
+    """vLLM prepares verify shapes for the K values in the start-up table: all candidates."""
+    table = start_up_schedule((0, 1, 3, 7, 15), kmax=15, max_num_seqs=64)
+    assert table == [[1, 1, 0], [2, 2, 1], [3, 3, 3], [4, 4, 7], [5, 64, 15]]
+    assert start_up_schedule((), kmax=15, max_num_seqs=64) == [[1, 64, 15]]
+    assert start_up_schedule((0, 1, 3), kmax=7, max_num_seqs=2) == [[1, 2, 7]]

@@ -20,7 +20,8 @@ class EngineSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    engine: Literal["vllm", "sglang", "sim"] = "vllm"
+    engine: Literal["vllm", "sim"] = "vllm"
+    """`sim` is the simulator engine (policy studies, fast tests), never a real model."""
     model: str = DEMO_TARGET
     served_model_name: str | None = None
     drafter: Drafter = "ngram"
@@ -28,6 +29,9 @@ class EngineSpec(BaseModel):
     """Checkpoint for draft_model / eagle / eagle3 drafters (the demo draft for draft_model)."""
     kmax: int = Field(15, ge=1, le=64)
     """Largest K the engine is built for; every candidate tier must be <= kmax."""
+    tiers: tuple[int, ...] = ()
+    """Candidate K values to prepare for at start-up (CUDA graphs per verify length on GPU);
+    empty prepares kmax only. The app fills it from the tier pool's candidates."""
     prompt_lookup_min: int = Field(2, ge=1)
     prompt_lookup_max: int = Field(5, ge=1)
     max_model_len: int = Field(1024, ge=16)

@@ -78,14 +78,30 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def start_up_schedule(tiers: tuple[int, ...], kmax: int, max_num_seqs: int) -> list[list[int]]:
+    """The dynamic-SD table the engine starts with, before our scheduler takes K over.
+
+    vLLM prepares a verify shape (a CUDA graph on GPU) for every K that appears in this
+    table, so each candidate tier gets one row at the smallest batch sizes and kmax covers
+    the rest. The table only matters until the first `set_k`, which applies one K to every
+    batch size.
+    """
+    ks = [*sorted(set(tiers) - {kmax}), kmax]
+    if len(ks) > max_num_seqs:
+        return [[1, max_num_seqs, kmax]]
+    rows = [[size, size, k] for size, k in enumerate(ks[:-1], start=1)]
+    return [*rows, [len(ks), max_num_seqs, kmax]]
+
+
 def speculative_config(spec: EngineSpec) -> dict[str, Any] | None:
-    """vLLM speculative config with dynamic SD on: one row, so our scheduler owns K."""
+    """vLLM speculative config with dynamic SD on, so our scheduler can own K."""
     if spec.drafter == "none":
         return None
     config: dict[str, Any] = {
         "method": spec.drafter,
         "num_speculative_tokens": spec.kmax,
-        "num_speculative_tokens_per_batch_size": [[1, spec.max_num_seqs, spec.kmax]],
+        "num_speculative_tokens_per_batch_size": start_up_schedule(
+            spec.tiers, spec.kmax, spec.max_num_seqs),
     }
     if spec.drafter == "ngram":
         config["prompt_lookup_min"] = spec.prompt_lookup_min
