@@ -92,6 +92,28 @@ async def measure(engine: VllmEngine, pool: TierPool, drafter: str, rounds: int,
     return rows
 
 
+async def acceptance_summary(engine: VllmEngine, pool: TierPool, drafter: str
+                             ) -> list[dict[str, float | str]]:
+    """Draft acceptance rate (accepted / drafted) at K=3 on each kind of text, greedy and not."""
+    kinds = {
+        "copy, greedy": list(HIGH),
+        "free code, greedy": [Prompt(p.text, 0.0, p.request_class) for p in LOW],
+        "free code, T=0.8": list(LOW),
+    }
+    await pool.switch(3)
+    summary = []
+    for kind, prompts in kinds.items():
+        engine.drain_steps()
+        await run_batch(engine, prompts, 128)
+        steps = engine.drain_steps()
+        drafted = sum(s.draft_tokens for s in steps)
+        accepted = sum(s.accepted_tokens for s in steps)
+        summary.append({"drafter": drafter, "text": kind,
+                        "acceptance_rate": accepted / drafted if drafted else 0.0,
+                        "accept_len": summarise(steps)[0]})
+    return summary
+
+
 async def switch_cost(engine: VllmEngine, pool: TierPool, switches: int) -> dict[str, float]:
     """Time tier switches while eight requests are decoding."""
     load = asyncio.create_task(run_batch(engine, list(HIGH), 256))
@@ -109,7 +131,7 @@ async def switch_cost(engine: VllmEngine, pool: TierPool, switches: int) -> dict
 
 
 async def bench(args: argparse.Namespace) -> dict:
-    results: dict = {"rows": [], "switch_cost": {}}
+    results: dict = {"rows": [], "switch_cost": {}, "acceptance": []}
     for drafter in args.drafters:
         spec = EngineSpec(drafter=drafter, kmax=max(TIERS), cpu_threads=args.threads)
         engine = VllmEngine(spec)
@@ -119,6 +141,7 @@ async def bench(args: argparse.Namespace) -> dict:
             await pool.apply_initial()
             rows = await measure(engine, pool, drafter, args.rounds, args.max_tokens)
             results["rows"].extend(asdict(r) for r in rows)
+            results["acceptance"].extend(await acceptance_summary(engine, pool, drafter))
             results["switch_cost"][drafter] = await switch_cost(engine, pool, args.switches)
             print(f"{drafter} tier switch: {results['switch_cost'][drafter]}", flush=True)
         finally:
@@ -133,6 +156,10 @@ def markdown(results: dict) -> str:
         lines.append(f"| {r['drafter']} | {r['workload']} | {r['concurrency']} | {r['k']} | "
                      f"{r['tokens_per_s']:.1f} | {r['speedup_vs_k0']:.2f}x | "
                      f"{r['accept_len']:.2f} | {r['median_step_ms']:.1f} |")
+    lines += ["", "| drafter | text | acceptance rate at K=3 | accept len |", "|---|---|---|---|"]
+    for a in results["acceptance"]:
+        lines.append(f"| {a['drafter']} | {a['text']} | {a['acceptance_rate']:.2f} | "
+                     f"{a['accept_len']:.2f} |")
     lines += ["", "| drafter | tier switches timed | median ms | p99 ms |", "|---|---|---|---|"]
     for drafter, cost in results["switch_cost"].items():
         lines.append(f"| {drafter} | {cost['switches']} | {cost['median_ms']:.2f} | "

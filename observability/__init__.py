@@ -1,0 +1,8 @@
+"""OpenTelemetry tracing and metrics for specserve; one table of metric names.
+
+- `observability.metrics`: `METRICS` (the table), `ReplicaMetrics`, `RequestMetrics`.
+- `observability.exposition`: `render_prometheus(*snapshots)`, `merge_snapshots`, `CONTENT_TYPE`.
+- `observability.tracing`: `configure_tracing`, span helpers, context propagation.
+
+Used by app/ and replicas/; imports none of them at run time.
+"""
