@@ -63,7 +63,8 @@ def configure_environment(spec: EngineSpec, replica_rank: int) -> None:
         cores = os.cpu_count() or 1
         threads = spec.cpu_threads or 1
         defaults["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_for_rank(replica_rank, threads, cores)
-        defaults["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        if spec.kv_cache_memory_bytes is None:  # this legacy variable overrides the spec's size
+            defaults["VLLM_CPU_KVCACHE_SPACE"] = "1"
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     # The engine-core process imports `replicas.engines.vllm_hooks` by name.
