@@ -69,6 +69,9 @@ class EngineCounters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     generated_tokens: int = 0
+    sequence_steps: int = 0
+    """Engine steps summed over the sequences in them; generated / sequence_steps is the
+    mean acceptance length whatever K was (K=0 steps count as length 1)."""
     accepted_per_pos: list[int] = field(default_factory=list)
     drafted_per_pos: list[int] = field(default_factory=list)
     running: int = 0

@@ -152,6 +152,7 @@ class _StepLog:
         totals.draft_tokens += step.draft_tokens
         totals.accepted_tokens += step.accepted_tokens
         totals.generated_tokens += step.generated_tokens
+        totals.sequence_steps += step.running
         totals.running, totals.waiting, totals.k = step.running, step.waiting, step.k
         for pos in range(self.kmax):
             totals.accepted_per_pos[pos] += step.accepted_per_pos[pos]
@@ -316,6 +317,7 @@ class VllmEngine:
         return EngineCounters(
             steps=totals.steps, drafts=totals.drafts, draft_tokens=totals.draft_tokens,
             accepted_tokens=totals.accepted_tokens, generated_tokens=totals.generated_tokens,
+            sequence_steps=totals.sequence_steps,
             accepted_per_pos=list(totals.accepted_per_pos),
             drafted_per_pos=list(totals.drafted_per_pos),
             running=totals.running, waiting=totals.waiting, k=self._steps.k)

@@ -1,0 +1,271 @@
+"""HTTP benchmark: every speculation mode side by side on the running application.
+
+    python -m bench.transition --url http://127.0.0.1:8000 --workload transition \\
+        --requests 16 --concurrency 8 --warmup 8 --max-tokens 256 \\
+        --modes static1,static3,static7,static15,ema,goodput --json out.json --plot out.png
+
+Each mode is applied by reconfiguring the running application (`POST /admin/policy`, no
+restart), followed by a warm-up. The transition workload runs the phases low_1, high_1, low_2,
+high_2 (free text sampled at T=0.8, then repetitive text decoded greedily; see
+`bench.workloads`); the sweep workload moves concurrency 1 -> 16 -> 64 -> 1 over a mix of both.
+Per phase, throughput = completion tokens / phase wall time and acceptance length = completion
+tokens / sequence-steps (engine verify steps summed over sequences), read from the replicas'
+counters (`GET /admin/replicas`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.report import compare_to_statics, print_table, verdict
+from bench.workloads import HIGH, LOW, Prompt
+
+ADMIN_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    prompts: tuple[Prompt, ...]
+    concurrency: int
+    requests: int
+
+
+def transition_phases(requests: int, concurrency: int) -> list[Phase]:
+    return [Phase(name, LOW if name.startswith("low") else HIGH, concurrency, requests)
+            for name in ("low_1", "high_1", "low_2", "high_2")]
+
+
+def sweep_phases(requests: int) -> list[Phase]:
+    mix = tuple(p for pair in zip(HIGH, LOW, strict=True) for p in pair)
+    return [Phase(f"c{c}" + ("_end" if i == 3 else ""), mix, c, max(requests, 2 * c))
+            for i, c in enumerate((1, 16, 64, 1))]
+
+
+def policy_for_mode(mode: str) -> dict[str, Any]:
+    """`static7` -> static K=7; any other name is a policy with its default config."""
+    if mode.startswith("static"):
+        return {"name": "static", "k": int(mode.removeprefix("static"))}
+    return {"name": mode}
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    tokens: int = 0
+    seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    errors: int = 0
+    sequence_steps: int = 0
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def accept_len(self) -> float:
+        return self.tokens / self.sequence_steps if self.sequence_steps else 0.0
+
+
+class Client:
+    def __init__(self, url: str, model: str | None, max_tokens: int, api_key: str | None):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.AsyncClient(base_url=url, headers=headers, timeout=600)
+        self.model = model
+        self.max_tokens = max_tokens
+
+    async def resolve_model(self) -> None:
+        if self.model is None:
+            models = (await self.http.get("/v1/models")).raise_for_status().json()
+            self.model = models["data"][0]["id"]
+
+    async def complete(self, prompt: Prompt, seed: int) -> tuple[int, float]:
+        started = time.perf_counter()
+        response = await self.http.post("/v1/completions", json={
+            "model": self.model, "prompt": prompt.text, "max_tokens": self.max_tokens,
+            "temperature": prompt.temperature, "seed": seed, "ignore_eos": True})
+        response.raise_for_status()
+        return response.json()["usage"]["completion_tokens"], time.perf_counter() - started
+
+    async def replicas(self) -> list[dict[str, Any]]:
+        return (await self.http.get("/admin/replicas")).raise_for_status().json()["replicas"]
+
+    async def set_policy(self, policy: dict[str, Any]) -> None:
+        (await self.http.post("/admin/policy", json={"policy": policy})).raise_for_status()
+
+
+async def run_phase(client: Client, phase: Phase, seed_base: int) -> PhaseResult:
+    result = PhaseResult(phase.name)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(phase.requests):
+        queue.put_nowait(index)
+
+    async def worker() -> None:
+        while not queue.empty():
+            index = queue.get_nowait()
+            try:
+                tokens, latency = await client.complete(
+                    phase.prompts[index % len(phase.prompts)], seed_base + index)
+            except httpx.HTTPError:
+                result.errors += 1
+                continue
+            result.tokens += tokens
+            result.latencies.append(latency)
+
+    before = await client.replicas()
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(phase.concurrency)))
+    result.seconds = time.perf_counter() - started
+    after = await client.replicas()
+    result.sequence_steps = _counter_delta(before, after, "sequence_steps")
+    return result
+
+
+def _counter_delta(before: list[dict], after: list[dict], key: str) -> int:
+    """Sum over replicas of a counter's growth (a restarted replica counts from zero)."""
+    start = {r["replica_id"]: r["counters"][key] for r in before}
+    return sum(max(0, r["counters"][key] - start.get(r["replica_id"], 0)) for r in after)
+
+
+async def track_tiers(client: Client, stop: asyncio.Event, origin: float,
+                      timeline: list[dict[str, Any]]) -> None:
+    while not stop.is_set():
+        for replica in await client.replicas():
+            timeline.append({"t": time.perf_counter() - origin, "replica": replica["replica_id"],
+                             "k": replica["active_k"]})
+        await asyncio.sleep(ADMIN_POLL_S)
+
+
+async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
+                   origin: float) -> dict[str, Any]:
+    await client.set_policy(policy_for_mode(mode))
+    warm = Phase("warmup", tuple(p for pair in zip(LOW, HIGH, strict=True) for p in pair),
+                 phases[0].concurrency, warmup)
+    await run_phase(client, warm, seed_base=10_000)
+    switches_before = sum(r["switch_count"] for r in await client.replicas())
+    timeline: list[dict[str, Any]] = []
+    stop = asyncio.Event()
+    tracker = asyncio.create_task(track_tiers(client, stop, origin, timeline))
+    mode_started = time.perf_counter() - origin
+    results = [await run_phase(client, phase, seed_base=100 * i) for i, phase in
+               enumerate(phases)]
+    stop.set()
+    await tracker
+    switches = sum(r["switch_count"] for r in await client.replicas()) - switches_before
+    tokens = sum(r.tokens for r in results)
+    seconds = sum(r.seconds for r in results)
+    latencies = [lat for r in results for lat in r.latencies]
+    steps = sum(r.sequence_steps for r in results)
+    summary = {
+        "throughput": tokens / seconds if seconds else 0.0,
+        "latency_s": sum(latencies) / len(latencies) if latencies else 0.0,
+        "accept_len": tokens / steps if steps else 0.0,
+        "switches": switches,
+        "errors": sum(r.errors for r in results),
+        "phases": {r.name: r.throughput for r in results},
+        "phase_accept_len": {r.name: r.accept_len for r in results},
+        "timeline": timeline,
+        "started_s": mode_started,
+    }
+    print(f"{mode:10s} {summary['throughput']:8.1f} tok/s  accept_len "
+          f"{summary['accept_len']:.2f}  switches {switches}  errors {summary['errors']}",
+          flush=True)
+    return summary
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    client = Client(args.url, args.model, args.max_tokens, args.api_key)
+    await client.resolve_model()
+    phases = (transition_phases(args.requests, args.concurrency)
+              if args.workload == "transition" else sweep_phases(args.requests))
+    origin = time.perf_counter()
+    modes = {mode: await run_mode(client, mode, phases, args.warmup, origin)
+             for mode in args.modes}
+    await client.http.aclose()
+    return {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,
+            "phases": [p.name for p in phases], "modes": modes}
+
+
+def report(results: dict[str, Any]) -> str:
+    modes, phase_names = results["modes"], results["phases"]
+    lines = [print_table(
+        "SUMMARY", ["mode", "tok/s", "avg latency s", "accept len", "switches", "errors"],
+        [[m, f"{r['throughput']:.1f}", f"{r['latency_s']:.2f}", f"{r['accept_len']:.2f}",
+          r["switches"], r["errors"]] for m, r in modes.items()])]
+    lines.append(print_table(
+        "PER-PHASE THROUGHPUT (tok/s) [accept len]", ["mode", *phase_names],
+        [[m, *(f"{r['phases'][p]:.1f} [{r['phase_accept_len'][p]:.2f}]" for p in phase_names)]
+         for m, r in modes.items()]))
+    comparisons = compare_to_statics({m: r["throughput"] for m, r in modes.items()})
+    if comparisons:
+        lines.append(print_table(
+            "ADAPTIVE VS STATIC", ["adaptive", "static", "delta", "verdict"],
+            [[a, s, f"{d:+.1%}", verdict(d)] for a, s, d in comparisons]))
+    return "\n\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = results["modes"]
+    fig, (ax_k, ax_tp) = plt.subplots(2, 1, figsize=(11, 6.5))
+    for mode, r in modes.items():
+        for replica in sorted({p["replica"] for p in r["timeline"]}):
+            points = [p for p in r["timeline"] if p["replica"] == replica]
+            ax_k.step([p["t"] for p in points], [p["k"] for p in points], where="post",
+                      label=f"{mode} / {replica[-6:]}")
+        ax_k.axvline(r["started_s"], color="grey", lw=0.5)
+    ax_k.set(xlabel="time (s)", ylabel="active K", title="K over time per replica")
+    ax_k.legend(fontsize=6, ncol=4)
+    width = 0.8 / max(1, len(modes))
+    for i, (mode, r) in enumerate(modes.items()):
+        xs = [j + i * width for j in range(len(results["phases"]))]
+        ax_tp.bar(xs, [r["phases"][p] for p in results["phases"]], width, label=mode)
+    ax_tp.set_xticks([j + 0.4 - width / 2 for j in range(len(results["phases"]))],
+                     results["phases"])
+    ax_tp.set(ylabel="tok/s", title="throughput per phase")
+    ax_tp.legend(fontsize=7, ncol=len(modes))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--workload", choices=["transition", "sweep"], default="transition")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--modes", type=lambda s: s.split(","),
+                        default=["static1", "static3", "static7", "static15", "ema", "goodput"])
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args()
+    results = asyncio.run(bench(args))
+    text = report(results)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if args.plot:
+        plot(results, args.plot)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
