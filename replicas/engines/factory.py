@@ -12,6 +12,10 @@ def build_engine(spec: EngineSpec, replica_rank: int = 0) -> Engine:
         from replicas.engines.vllm_engine import VllmEngine
 
         return VllmEngine(spec, replica_rank=replica_rank)
+    if spec.engine == "sglang":
+        from replicas.engines.sglang_engine import SglangEngine
+
+        return SglangEngine(spec, replica_rank=replica_rank)
     from replicas.engines.sim_engine import SimulatedEngine
 
     return SimulatedEngine.from_spec(spec)

@@ -20,8 +20,9 @@ class EngineSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    engine: Literal["vllm", "sim"] = "vllm"
-    """`sim` is the simulator engine (policy studies, fast tests), never a real model."""
+    engine: Literal["vllm", "sglang", "sim"] = "vllm"
+    """`sim` is the simulator engine (policy studies, fast tests), never a real model;
+    `sglang` needs a CUDA GPU and an eagle/eagle3 drafter."""
     model: str = DEMO_TARGET
     served_model_name: str | None = None
     drafter: Drafter = "ngram"
