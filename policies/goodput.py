@@ -1,0 +1,177 @@
+"""`goodput`: pick the K that maximises expected tokens per second, from measured costs.
+
+    score(K) = B * (1 + sum_{k<K} p[k]) / step_time(B, K)
+
+B is the replica's concurrency (by default its *effective* concurrency from the cluster view:
+running + waiting + routed-not-admitted), p[k] the share of drafts with more than k tokens
+accepted, and step_time(B, K) the engine step time, learned online per K as a line in B.
+
+Follows SmartSpec/TurboSpec (argmax of goodput over profiled latency) and vLLM's original
+dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
+- p[k] comes from per-position windows that count only drafts that reached position k, so the
+  estimate stays unbiased when K changes; positions never drafted are filled from the cluster's
+  acceptance prior, else extrapolated geometrically.
+- The windows decay towards the prior while no data arrives (at K=0 nothing is drafted), so a
+  replica that turned speculation off re-probes when the prior says it may pay again.
+- Step costs are measured on this replica every step (seeded by a profile table), not only
+  profiled once.
+- A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.signals import Decision, Signals, StepCost
+
+# Acceptance assumed before any measurement or cluster prior: a modest, decaying guess.
+DEFAULT_PRIOR_FIRST = 0.5
+DEFAULT_PRIOR_RATIO = 0.7
+
+
+class GoodputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["goodput"] = "goodput"
+    concurrency_source: Literal["local", "effective"] = "effective"
+    switch_margin: float = Field(0.05, ge=0)
+    """A new K must beat the current one's score by this share."""
+    min_dwell_steps: int = Field(16, ge=0)
+    """Engine steps to stay on a tier after switching."""
+    acceptance_decay: float = Field(0.9, gt=0, le=1)
+    """Per-decision decay of the per-position acceptance windows."""
+    prior_strength: float = Field(4.0, ge=0)
+    """The prior counts as this many drafts at every position."""
+    cost_decay: float = Field(0.98, gt=0, le=1)
+    """Per-observation decay of the step-cost fits."""
+    profile: list[tuple[int, int, float]] = Field(default_factory=list)
+    """Seed step costs: (batch, K, seconds) rows, e.g. from `bench.engine_bench`."""
+
+
+class StepCostModel:
+    """Per K, a decayed least-squares line seconds = a + b * batch."""
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self._sums: dict[int, list[float]] = {}  # k -> [w, wB, wT, wBB, wBT]
+
+    def observe(self, cost: StepCost) -> None:
+        if cost.seconds <= 0 or cost.batch <= 0:
+            return
+        sums = self._sums.setdefault(cost.k, [0.0] * 5)
+        b, t = float(cost.batch), cost.seconds
+        for i, value in enumerate((1.0, b, t, b * b, b * t)):
+            sums[i] = sums[i] * self.decay + value
+
+    def known(self) -> list[int]:
+        return sorted(self._sums)
+
+    def _fit(self, k: int, batch: float) -> float:
+        w, wb, wt, wbb, wbt = self._sums[k]
+        mean_b, mean_t = wb / w, wt / w
+        var_b = wbb / w - mean_b * mean_b
+        # One batch size seen so far: assume the cost grows as in the memory-bound regime,
+        # i.e. not at all with batch (a flat line through the mean).
+        slope = max(0.0, (wbt / w - mean_b * mean_t) / var_b) if var_b > 1e-9 else 0.0
+        return max(1e-6, mean_t + slope * (batch - mean_b))
+
+    def predict(self, batch: int, k: int) -> float | None:
+        known = self.known()
+        if not known:
+            return None
+        if k in self._sums:
+            return self._fit(k, batch)
+        # Unmeasured K: interpolate (or extrapolate) linearly in K between measured neighbours.
+        lower = [j for j in known if j < k]
+        upper = [j for j in known if j > k]
+        if lower and upper:
+            k0, k1 = lower[-1], upper[0]
+        elif len(known) >= 2:
+            k0, k1 = (known[-2], known[-1]) if lower else (known[0], known[1])
+        else:
+            return self._fit(known[0], batch)
+        t0, t1 = self._fit(k0, batch), self._fit(k1, batch)
+        return max(1e-6, t0 + (t1 - t0) * (k - k0) / (k1 - k0))
+
+
+class AcceptanceWindow:
+    """Decayed per-position counts: p[k] = accepted[k] / drafted[k], blended with a prior."""
+
+    def __init__(self, kmax: int, decay: float, prior_strength: float):
+        self.decay = decay
+        self.prior_strength = prior_strength
+        self.accepted = [0.0] * kmax
+        self.drafted = [0.0] * kmax
+
+    def update(self, accepted: tuple[int, ...], drafted: tuple[int, ...]) -> None:
+        for k in range(len(self.accepted)):
+            self.accepted[k] = self.accepted[k] * self.decay + (
+                accepted[k] if k < len(accepted) else 0)
+            self.drafted[k] = self.drafted[k] * self.decay + (drafted[k] if k < len(drafted) else 0)
+
+    def rates(self, prior: tuple[float, ...]) -> list[float]:
+        rates: list[float] = []
+        for k in range(len(self.accepted)):
+            guess = prior[k] if k < len(prior) else _extrapolate(rates)
+            weight = self.drafted[k] + self.prior_strength
+            rate = (self.accepted[k] + self.prior_strength * guess) / weight if weight else guess
+            # Acceptance is a prefix: more than k accepted implies more than k-1 accepted.
+            rates.append(min(rate, rates[-1]) if rates else rate)
+        return rates
+
+
+def _extrapolate(rates: list[float]) -> float:
+    if not rates:
+        return DEFAULT_PRIOR_FIRST
+    if len(rates) == 1 or rates[-2] <= 0:
+        return rates[-1] * DEFAULT_PRIOR_RATIO
+    return rates[-1] * min(1.0, rates[-1] / rates[-2])
+
+
+class GoodputPolicy:
+    name = "goodput"
+
+    def __init__(self, config: GoodputConfig, candidates: tuple[int, ...]):
+        self.config = config
+        self.candidates = candidates
+        self.costs = StepCostModel(config.cost_decay)
+        for batch, k, seconds in config.profile:
+            self.costs.observe(StepCost(batch, k, seconds))
+        self.acceptance = AcceptanceWindow(max(1, max(candidates)), config.acceptance_decay,
+                                           config.prior_strength)
+        self._steps_on_tier = 0
+
+    def scores(self, signals: Signals) -> dict[int, float]:
+        """Expected tokens/s per candidate (empty until some step cost is known)."""
+        batch = max(1, signals.effective_concurrency if self.config.concurrency_source ==
+                    "effective" else signals.local_batch)
+        prior = signals.cluster.acceptance_prior if signals.cluster else ()
+        rates = self.acceptance.rates(prior)
+        scores = {}
+        for k in self.candidates:
+            seconds = self.costs.predict(batch, k)
+            if seconds is not None:
+                scores[k] = batch * (1 + sum(rates[:k])) / seconds
+        return scores
+
+    def decide(self, signals: Signals) -> Decision:
+        self.acceptance.update(signals.accepted_per_pos, signals.drafted_per_pos)
+        for cost in signals.step_costs:
+            self.costs.observe(cost)
+        self._steps_on_tier += signals.steps
+        current = signals.current_k
+        scores = self.scores(signals)
+        if not scores or current not in scores:
+            return Decision(current, "no cost data yet")
+        best = max(scores, key=lambda k: (scores[k], -k))  # ties go to the smaller K
+        inputs = {"batch": float(max(1, signals.effective_concurrency)),
+                  "score_current": scores[current], "score_best": scores[best]}
+        if self._steps_on_tier < self.config.min_dwell_steps:
+            return Decision(current, "dwell", inputs)
+        if best != current and scores[best] > scores[current] * (1 + self.config.switch_margin):
+            self._steps_on_tier = 0
+            return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",
+                            inputs)
+        return Decision(current, "current tier is within the margin of the best", inputs)
