@@ -1,0 +1,90 @@
+"""The per-replica control loop: engine steps -> Signals -> policy -> tier pool.
+
+Engine-agnostic and free of Ray: the replica deployment, the simulator harnesses and the tests
+drive the same `ControlLoop`. Each `tick` drains the engine's step records; once at least
+`decide_every_steps` steps have gathered, they are folded into one `Signals` window, the policy
+decides, and the tier pool switches if the answer differs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from policies.base import Policy
+from policies.signals import ClusterView, Decision, RequestAcceptance, Signals, StepCost
+from replicas.engines.base import Engine, StepRecord
+from replicas.tier_pool import TierPool, TierSwitch
+
+
+def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: int,
+               cluster: ClusterView | None = None,
+               requests: tuple[RequestAcceptance, ...] = (), now_s: float = 0.0) -> Signals:
+    """Sum a window of step records into Signals; per-position counts padded to max K."""
+    width = max(candidates)
+    accepted, drafted = [0] * width, [0] * width
+    for step in steps:
+        for pos, count in enumerate(step.accepted_per_pos[:width]):
+            accepted[pos] += count
+        for pos, count in enumerate(step.drafted_per_pos[:width]):
+            drafted[pos] += count
+    last = steps[-1] if steps else None
+    return Signals(
+        candidates=candidates, current_k=current_k, steps=len(steps),
+        running=last.running if last else 0, waiting=last.waiting if last else 0,
+        drafts=sum(s.drafts for s in steps), draft_tokens=sum(s.draft_tokens for s in steps),
+        accepted_tokens=sum(s.accepted_tokens for s in steps),
+        accepted_per_pos=tuple(accepted), drafted_per_pos=tuple(drafted),
+        # A step's K is the one in force when it ran; steps of unknown length are left out.
+        step_costs=tuple(StepCost(s.running, s.k, s.wall_s) for s in steps
+                         if s.wall_s > 0 and s.running > 0),
+        requests=requests, cluster=cluster, now_s=now_s)
+
+
+@dataclass
+class LoopStats:
+    decisions: int = 0
+    decision_seconds_total: float = 0.0
+    max_effective_concurrency: int = 0
+    last_signals: Signals | None = None
+    last_decision: Decision | None = None
+
+
+class ControlLoop:
+    def __init__(self, engine: Engine, pool: TierPool, policy: Policy,
+                 decide_every_steps: int = 4,
+                 request_acceptance: Callable[[], tuple[RequestAcceptance, ...]] | None = None):
+        self.engine = engine
+        self.pool = pool
+        self.policy = policy
+        self.decide_every_steps = decide_every_steps
+        self._request_acceptance = request_acceptance
+        self._pending: list[StepRecord] = []
+        self.stats = LoopStats()
+
+    def replace_policy(self, policy: Policy) -> None:
+        self.policy = policy
+        self._pending.clear()
+
+    async def tick(self, cluster: ClusterView | None = None
+                   ) -> tuple[list[StepRecord], Decision | None, TierSwitch | None]:
+        """Drain steps; decide when a window is full. Returns (new steps, decision, switch)."""
+        steps = self.engine.drain_steps()
+        self._pending.extend(steps)
+        if len(self._pending) < self.decide_every_steps:
+            return steps, None, None
+        requests = self._request_acceptance() if self._request_acceptance else ()
+        signals = fold_steps(self._pending, self.pool.candidates, self.pool.active_k,
+                             cluster, requests, time.monotonic())
+        self._pending = []
+        started = time.perf_counter()
+        decision = self.policy.decide(signals)
+        self.stats.decision_seconds_total += time.perf_counter() - started
+        self.stats.decisions += 1
+        self.stats.last_signals, self.stats.last_decision = signals, decision
+        self.stats.max_effective_concurrency = max(self.stats.max_effective_concurrency,
+                                                   signals.effective_concurrency)
+        change = await self.pool.switch(decision.k) if decision.k in self.pool.candidates \
+            else None
+        return steps, decision, change

@@ -1,0 +1,191 @@
+"""SIMULATOR engine: the Engine protocol over a cost model and synthetic acceptance.
+
+Not a model. It exists for policy studies, cluster-scale runs and fast application tests, and
+it says so: its name is "sim" and its output text is made-up tokens (" t123"). Each step runs
+every admitted request at the active K:
+
+- step time  t(B, K) = base + per_seq * B + per_token * B * (K + 1)   (preset constants)
+- acceptance: each request belongs to a class with a per-position acceptance probability;
+  its drafts are accepted position by position until the first miss (a geometric run).
+
+Token ids depend only on the prompt and the position, so outputs are identical at every K,
+like greedy decoding on a real engine. Randomness (acceptance) is seeded per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from replicas.engines.base import (
+    EngineCounters,
+    EngineInputError,
+    GenerationChunk,
+    GenerationRequest,
+    StepRecord,
+)
+from replicas.engines.sim_presets import PRESETS, SimPreset
+from replicas.engines.spec import EngineSpec
+
+VOCAB = 4096
+
+
+def token_at(prompt: str, position: int) -> int:
+    digest = hashlib.blake2b(f"{prompt}\x00{position}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") % VOCAB
+
+
+@dataclass
+class _SimRequest:
+    request: GenerationRequest
+    acceptance: float
+    rng: random.Random
+    generated: int = 0
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    aborted: bool = False
+
+
+class SimulatedEngine:
+    """A simulator engine (see module docstring); `time_scale` stretches simulated time."""
+
+    name = "sim"
+
+    def __init__(self, preset: SimPreset, kmax: int = 15, max_num_seqs: int = 64,
+                 max_model_len: int = 1024, time_scale: float = 1.0):
+        self.preset = preset
+        self.kmax = kmax
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.time_scale = time_scale
+        self.k = kmax
+        self._waiting: deque[_SimRequest] = deque()
+        self._running: dict[str, _SimRequest] = {}
+        self._records: list[StepRecord] = []
+        self._totals = EngineCounters(accepted_per_pos=[0] * kmax, drafted_per_pos=[0] * kmax)
+        self._loop: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> SimulatedEngine:
+        if spec.sim_preset not in PRESETS:
+            raise ValueError(f"unknown simulator preset {spec.sim_preset!r}; "
+                             f"choose one of {', '.join(PRESETS)}")
+        return cls(PRESETS[spec.sim_preset], kmax=spec.kmax, max_num_seqs=spec.max_num_seqs,
+                   max_model_len=spec.max_model_len, time_scale=spec.sim_time_scale)
+
+    async def start(self) -> None:
+        self._loop = asyncio.create_task(self._run())
+
+    async def shutdown(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            self._loop = None
+
+    async def set_k(self, k: int) -> None:
+        if not 0 <= k <= self.kmax:
+            raise ValueError(f"K={k} outside [0, {self.kmax}]")
+        self.k = k
+
+    async def abort(self, request_id: str) -> None:
+        entry = self._running.pop(request_id, None) or next(
+            (r for r in self._waiting if r.request.request_id == request_id), None)
+        if entry is not None:
+            entry.aborted = True
+            if entry in self._waiting:
+                self._waiting.remove(entry)
+
+    def drain_steps(self) -> list[StepRecord]:
+        records, self._records = self._records, []
+        return records
+
+    def counters(self) -> EngineCounters:
+        totals = self._totals
+        return EngineCounters(**{**totals.__dict__, "k": self.k,
+                                 "running": len(self._running), "waiting": len(self._waiting),
+                                 "accepted_per_pos": list(totals.accepted_per_pos),
+                                 "drafted_per_pos": list(totals.drafted_per_pos)})
+
+    def _validate(self, request: GenerationRequest) -> str:
+        prompt = request.prompt if request.prompt is not None else " ".join(
+            map(str, request.prompt_token_ids or ()))
+        if len(prompt.split()) + request.max_tokens > self.max_model_len:
+            raise EngineInputError(
+                f"prompt ({len(prompt.split())} tokens) plus max_tokens ({request.max_tokens}) "
+                f"exceeds the context of {self.max_model_len} tokens")
+        return prompt
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        prompt = self._validate(request)
+        entry = _SimRequest(request, self.preset.acceptance_for(request),
+                            random.Random(f"{request.request_id}{request.seed}"))
+        self._waiting.append(entry)
+        self._wake.set()
+        prompt_tokens = len(prompt.split())
+        try:
+            while True:
+                new_tokens, finished = await entry.queue.get()
+                ids = tuple(token_at(prompt, entry.generated - len(new_tokens) + i)
+                            for i in range(len(new_tokens)))
+                yield GenerationChunk(
+                    token_ids=ids, text="".join(f" t{t}" for t in ids),
+                    prompt_tokens=prompt_tokens, completion_tokens=entry.generated,
+                    finish_reason="length" if finished else None)
+                if finished:
+                    return
+        finally:
+            if not entry.aborted and request.request_id in self._running:
+                await self.abort(request.request_id)
+
+    async def _run(self) -> None:
+        while True:
+            if not self._running and not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+            while self._waiting and len(self._running) < self.max_num_seqs:
+                entry = self._waiting.popleft()
+                self._running[entry.request.request_id] = entry
+            seconds = self.step()
+            await asyncio.sleep(seconds * self.time_scale)
+
+    def step(self) -> float:
+        """One engine step over the running requests; returns its simulated seconds."""
+        batch, k = list(self._running.values()), self.k
+        seconds = self.preset.step_seconds(len(batch), k)
+        accepted_pos, drafted_pos = [0] * self.kmax, [0] * self.kmax
+        accepted_total = generated = 0
+        for entry in batch:
+            run = 0
+            while run < k and entry.rng.random() < entry.acceptance:
+                run += 1
+            for pos in range(k):
+                drafted_pos[pos] += 1
+                accepted_pos[pos] += pos < run
+            tokens = min(run + 1, entry.request.max_tokens - entry.generated)
+            entry.generated += tokens
+            accepted_total += run
+            generated += tokens
+            finished = entry.generated >= entry.request.max_tokens
+            entry.queue.put_nowait(((0,) * tokens, finished))
+            if finished:
+                self._running.pop(entry.request.request_id, None)
+        drafts = len(batch) if k else 0
+        record = StepRecord(running=len(batch), waiting=len(self._waiting), k=k, wall_s=seconds,
+                            drafts=drafts, draft_tokens=drafts * k,
+                            accepted_tokens=accepted_total, accepted_per_pos=tuple(accepted_pos),
+                            drafted_per_pos=tuple(drafted_pos), generated_tokens=generated)
+        self._records.append(record)
+        totals = self._totals
+        totals.steps += 1
+        totals.drafts += record.drafts
+        totals.draft_tokens += record.draft_tokens
+        totals.accepted_tokens += accepted_total
+        totals.generated_tokens += generated
+        totals.sequence_steps += len(batch)
+        for pos in range(self.kmax):
+            totals.accepted_per_pos[pos] += accepted_pos[pos]
+            totals.drafted_per_pos[pos] += drafted_pos[pos]
+        return seconds
