@@ -47,6 +47,7 @@ class LoopStats:
     decisions: int = 0
     decision_seconds_total: float = 0.0
     max_effective_concurrency: int = 0
+    max_local_batch: int = 0
     last_signals: Signals | None = None
     last_decision: Decision | None = None
 
@@ -85,6 +86,7 @@ class ControlLoop:
         self.stats.last_signals, self.stats.last_decision = signals, decision
         self.stats.max_effective_concurrency = max(self.stats.max_effective_concurrency,
                                                    signals.effective_concurrency)
+        self.stats.max_local_batch = max(self.stats.max_local_batch, signals.local_batch)
         change = await self.pool.switch(decision.k) if decision.k in self.pool.candidates \
             else None
         return steps, decision, change

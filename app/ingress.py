@@ -1,0 +1,308 @@
+"""OpenAI-compatible HTTP ingress: validation, streaming, errors, metrics and admin routes.
+
+The request and response bodies are written here rather than imported from vLLM's protocol
+module on purpose: the ingress serves every engine (vLLM, SGLang, the simulator), and importing
+vLLM would cost each ingress replica ~0.5 GB and seconds of start-up for schemas alone. The
+shapes follow OpenAI's API (and vLLM's `ignore_eos` extension).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.openai_format import ChatFormat, CompletionFormat, error_body, sse
+from observability import tracing
+from observability.exposition import CONTENT_TYPE, render_prometheus
+from observability.metrics import RequestMetrics
+from policies.registry import parse_policy_config
+
+API_KEY_ENV = "SPECSERVE_API_KEY"
+MAX_BODY_BYTES = 1 << 20
+GREEDY_BELOW = 1e-5  # temperature under which sampling is argmax (vLLM's threshold)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    def limit(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 16
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, prompt: str | list[str]) -> str | list[str]:
+        if isinstance(prompt, list) and len(prompt) != 1:
+            raise ValueError("exactly one prompt per request is supported")
+        text = prompt if isinstance(prompt, str) else prompt[0]
+        if not text:
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = (
+            status, message, kind, param, code)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status in (429, 503) else None
+    return JSONResponse(error_body(error.status, error.message, error.kind, error.param,
+                                   error.code), status_code=error.status, headers=headers)
+
+
+async def first_chunk(stream: Any, span: Any) -> dict[str, Any]:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return {"text": "", "token_ids": [], "prompt_tokens": 0, "completion_tokens": 0,
+                "finish_reason": "stop", "logprobs": None}
+    except Exception as error:
+        tracing.finish_span(span, error=error)
+        raise APIError(503, f"no engine replica could serve the request: {error}",
+                       "server_error") from error
+
+
+
+fastapi_app = FastAPI(title="specserve", version="0.1.0")
+
+
+@fastapi_app.exception_handler(APIError)
+async def _api_error(_: Request, error: APIError) -> JSONResponse:
+    return error_response(error)
+
+
+@fastapi_app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+    first = error.errors()[0] if error.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message = "request body is not valid JSON"
+    return error_response(APIError(400, message, param=param))
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return error_response(APIError(error.status_code, str(error.detail), kind))
+
+
+@serve.ingress(fastapi_app)
+class Ingress:
+    def __init__(self, engine: DeploymentHandle, model_name: str, api_key: str | None = None):
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
+        tracing.configure_tracing("specserve-ingress")
+        self.metrics = RequestMetrics(f"ingress-{uuid.uuid4().hex[:8]}")
+
+    # ---- guards ---------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        supplied = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        if not hmac.compare_digest(supplied.encode(), self.api_key.encode()):
+            raise APIError(401, "missing or invalid API key", "authentication_error",
+                           code="invalid_api_key")
+
+    async def _body(self, request: Request, model: type[BaseModel]) -> Any:
+        self._authorize(request)
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise APIError(400, f"request body is not valid JSON: {error}") from error
+        try:
+            body = model.model_validate(data)
+        except ValidationError as error:
+            first = error.errors()[0]
+            raise APIError(400, first["msg"], param=".".join(map(str, first["loc"])) or None
+                           ) from error
+        if body.model != self.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this endpoint "
+                                f"serves {self.model_name!r}", "not_found_error",
+                           param="model", code="model_not_found")
+        return body
+
+    # ---- OpenAI routes ------------------------------------------------------------------------
+
+    @fastapi_app.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @fastapi_app.get("/v1/models")
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "created": 0, "owned_by": "specserve"}]}
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        body: CompletionRequest = await self._body(request, CompletionRequest)
+        payload = self._payload(body, prompt=body.text(), logprobs=body.logprobs)
+        return await self._respond(request, body, payload, chat=False)
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Any:
+        body: ChatRequest = await self._body(request, ChatRequest)
+        messages = [m.model_dump() for m in body.messages]
+        payload = self._payload(body, messages=messages,
+                                logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        return await self._respond(request, body, payload, chat=True)
+
+    def _payload(self, body: SamplingFields, **extra: Any) -> dict[str, Any]:
+        return {"request_id": uuid.uuid4().hex, "max_tokens": body.limit(),
+                "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
+                "stop": body.stops(), "ignore_eos": body.ignore_eos,
+                "request_class": "greedy" if body.temperature < GREEDY_BELOW else "sampled",
+                **extra}
+
+    async def _respond(self, request: Request, body: SamplingFields, payload: dict[str, Any],
+                       chat: bool) -> Any:
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+        span = tracing.start_ingress_span(f"POST {route}", request.headers,
+                                          request_id=payload["request_id"], model=body.model)
+        payload["trace_context"] = tracing.inject_context(span)
+        stream = self.engine.options(stream=True).generate.remote(payload)
+        started = time.perf_counter()
+        first = await first_chunk(stream, span)  # errors surface before any byte is sent
+        if "error" in first:
+            tracing.finish_span(span, error=APIError(400, first["error"]["message"]))
+            self.metrics.record_request(body.model, e2e_s=time.perf_counter() - started,
+                                        ttft_s=None, prompt_tokens=0, completion_tokens=0,
+                                        status="error")
+            raise APIError(400, first["error"]["message"])
+        ttft = time.perf_counter() - started
+        formatter = ChatFormat(payload["request_id"], body.model) if chat else \
+            CompletionFormat(payload["request_id"], body.model)
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            yield first
+            async for chunk in stream:
+                yield chunk
+
+        async def finish(last: dict[str, Any] | None, error: BaseException | None) -> None:
+            prompt = last["prompt_tokens"] if last else 0
+            completion = last["completion_tokens"] if last else 0
+            tracing.finish_span(span, error=error, prompt_tokens=prompt,
+                                completion_tokens=completion)
+            self.metrics.record_request(
+                body.model, e2e_s=time.perf_counter() - started, ttft_s=ttft,
+                prompt_tokens=prompt, completion_tokens=completion,
+                status="ok" if error is None else "error")
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(chunks(), formatter, include_usage, finish),
+                                     media_type="text/event-stream")
+        last: dict[str, Any] | None = None
+        text: list[str] = []
+        logprobs: list[dict[str, float]] = []
+        finish_reason = None
+        try:
+            async for chunk in chunks():
+                last = chunk
+                text.append(chunk["text"])
+                logprobs.extend(chunk.get("logprobs") or [])
+                finish_reason = chunk["finish_reason"] or finish_reason
+        except Exception as error:
+            await finish(last, error)
+            raise APIError(500, f"generation failed: {error}", "server_error") from error
+        await finish(last, None)
+        return formatter.full("".join(text), finish_reason, last, logprobs or None)
+
+    # ---- operations ---------------------------------------------------------------------------
+
+    @fastapi_app.get("/metrics")
+    async def prometheus(self, request: Request) -> PlainTextResponse:
+        self._authorize(request)
+        snapshots = await self.engine.broadcast("metrics_snapshot").results_async()
+        return PlainTextResponse(render_prometheus(self.metrics.snapshot(), *snapshots),
+                                 media_type=CONTENT_TYPE)
+
+    @fastapi_app.get("/admin/replicas")
+    async def replicas(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        return {"replicas": await self.engine.broadcast("stats").results_async()}
+
+    @fastapi_app.post("/admin/policy")
+    async def set_policy(self, request: Request) -> dict[str, Any]:
+        """Fleet-wide run-time change: {"policy": {...}, "candidates": [...]} on every replica."""
+        self._authorize(request)
+        try:
+            user_config = await request.json()
+            if not isinstance(user_config, dict) or not {"policy", "candidates"} & set(
+                    user_config):
+                raise ValueError('send {"policy": {...}} and/or {"candidates": [...]}')
+            if "policy" in user_config:
+                parse_policy_config(user_config["policy"])
+        except ValueError as error:
+            raise APIError(400, str(error)) from error
+        await self.engine.broadcast("reconfigure", user_config).results_async()
+        return {"replicas": await self.engine.broadcast("stats").results_async()}

@@ -1,0 +1,96 @@
+"""OpenAI response bodies and server-sent-event framing for the ingress."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+
+def error_body(status: int, message: str, kind: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": code if code is not None else status}}
+
+
+class CompletionFormat:
+    def __init__(self, request_id: str, model: str):
+        self.id, self.model, self.created = f"cmpl-{request_id}", model, int(time.time())
+
+    def _base(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model}
+
+    def delta(self, chunk: dict[str, Any], first: bool) -> dict[str, Any]:
+        return {**self._base(), "choices": [{"index": 0, "text": chunk["text"],
+                                             "logprobs": _logprobs(chunk.get("logprobs")),
+                                             "finish_reason": chunk["finish_reason"]}]}
+
+    def full(self, text: str, finish_reason: str | None, last: dict[str, Any] | None,
+             logprobs: list[dict[str, float]] | None) -> dict[str, Any]:
+        return {**self._base(), "choices": [{"index": 0, "text": text,
+                                             "logprobs": _logprobs(logprobs),
+                                             "finish_reason": finish_reason}],
+                "usage": usage(last)}
+
+    def usage_chunk(self, last: dict[str, Any] | None) -> dict[str, Any]:
+        return {**self._base(), "choices": [], "usage": usage(last)}
+
+
+class ChatFormat(CompletionFormat):
+    def __init__(self, request_id: str, model: str):
+        super().__init__(request_id, model)
+        self.id = f"chatcmpl-{request_id}"
+
+    def _base(self, final: bool = False) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion" if final else
+                "chat.completion.chunk", "created": self.created, "model": self.model}
+
+    def delta(self, chunk: dict[str, Any], first: bool) -> dict[str, Any]:
+        delta: dict[str, Any] = {"content": chunk["text"]}
+        if first:
+            delta["role"] = "assistant"
+        return {**self._base(), "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                             "finish_reason": chunk["finish_reason"]}]}
+
+    def full(self, text: str, finish_reason: str | None, last: dict[str, Any] | None,
+             logprobs: list[dict[str, float]] | None) -> dict[str, Any]:
+        return {**self._base(final=True), "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": text},
+            "logprobs": None, "finish_reason": finish_reason}], "usage": usage(last)}
+
+
+def usage(last: dict[str, Any] | None) -> dict[str, int]:
+    prompt = last["prompt_tokens"] if last else 0
+    completion = last["completion_tokens"] if last else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _logprobs(entries: list[dict[str, float]] | None) -> dict[str, Any] | None:
+    """OpenAI's legacy completion logprobs: the top alternatives per generated token."""
+    if not entries:
+        return None
+    return {"top_logprobs": entries,
+            "token_logprobs": [max(entry.values()) if entry else None for entry in entries]}
+
+
+async def sse(chunks: AsyncIterator[dict[str, Any]], formatter: CompletionFormat,
+               include_usage: bool, finish: Any) -> AsyncIterator[str]:
+    last: dict[str, Any] | None = None
+    error: BaseException | None = None
+    try:
+        first = True
+        async for chunk in chunks:
+            last = chunk
+            yield f"data: {json.dumps(formatter.delta(chunk, first))}\n\n"
+            first = False
+        if include_usage:
+            yield f"data: {json.dumps(formatter.usage_chunk(last))}\n\n"
+        yield "data: [DONE]\n\n"
+    except Exception as failure:  # mid-stream: the status line is gone, report in-band
+        error = failure
+        yield f"data: {json.dumps(error_body(500, str(failure), 'server_error'))}\n\n"
+    finally:
+        await finish(last, error)

@@ -1,0 +1,112 @@
+"""The telemetry hub: every replica's latest stats, and the cluster view handed back to each.
+
+`ClusterState` is the logic (pure, used as is by the cluster simulation); `TelemetryHub` is the
+deployment-scoped Ray actor around it, created, health-checked and restarted by the Serve
+controller. Replicas push their stats every telemetry period and read their view in the same
+call; nothing on the request path waits on the hub, and a replica that cannot reach it keeps
+deciding on local signals.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+
+# A replica that has not pushed for this long is dropped from the view (dead or restarting).
+STALE_AFTER_S = 3.0
+# Per-position counts from the replicas decay with this factor per push, a sliding window.
+PRIOR_DECAY = 0.8
+
+
+class ClusterState:
+    """Cluster view assembled from replica pushes (see `push` for the stats schema)."""
+
+    def __init__(self, stale_after_s: float = STALE_AFTER_S):
+        self.stale_after_s = stale_after_s
+        self.replicas: dict[str, dict[str, Any]] = {}
+        self._seen_at: dict[str, float] = {}
+        self._accepted: dict[str, list[float]] = {}
+        self._drafted: dict[str, list[float]] = {}
+        self.policy_override: dict[str, Any] | None = None
+
+    def push(self, replica_id: str, stats: dict[str, Any], now: float | None = None
+             ) -> dict[str, Any]:
+        """Record one replica's stats and return its cluster view.
+
+        `stats` holds at least: running, waiting, ongoing, active_k, and per-position
+        `window_accepted` / `window_drafted` counts since its previous push.
+        """
+        now = time.monotonic() if now is None else now
+        self.replicas[replica_id] = stats
+        self._seen_at[replica_id] = now
+        self._decay_into(replica_id, stats.get("window_accepted", ()),
+                         stats.get("window_drafted", ()))
+        self.expire(now)
+        return self.view(replica_id)
+
+    def _decay_into(self, replica_id: str, accepted: Any, drafted: Any) -> None:
+        width = max(len(accepted), len(self._accepted.get(replica_id, ())))
+        old_a = self._accepted.get(replica_id, [0.0] * width)
+        old_d = self._drafted.get(replica_id, [0.0] * width)
+        self._accepted[replica_id] = [
+            PRIOR_DECAY * (old_a[i] if i < len(old_a) else 0) + (accepted[i] if i < len(
+                accepted) else 0) for i in range(width)]
+        self._drafted[replica_id] = [
+            PRIOR_DECAY * (old_d[i] if i < len(old_d) else 0) + (drafted[i] if i < len(
+                drafted) else 0) for i in range(width)]
+
+    def expire(self, now: float) -> list[str]:
+        gone = [rid for rid, seen in self._seen_at.items() if now - seen > self.stale_after_s]
+        for rid in gone:
+            for table in (self.replicas, self._seen_at, self._accepted, self._drafted):
+                table.pop(rid, None)
+        return gone
+
+    def acceptance_prior(self) -> tuple[float, ...]:
+        """Cluster-wide p[k] (share of drafts with more than k accepted), per position."""
+        width = max((len(v) for v in self._accepted.values()), default=0)
+        prior = []
+        for pos in range(width):
+            drafted = sum(v[pos] for v in self._drafted.values() if pos < len(v))
+            accepted = sum(v[pos] for v in self._accepted.values() if pos < len(v))
+            if drafted < 1:
+                break  # no evidence at this depth: let the policy extrapolate
+            prior.append(accepted / drafted)
+        return tuple(prior)
+
+    def view(self, replica_id: str) -> dict[str, Any]:
+        mine = self.replicas.get(replica_id, {})
+        effective = max(mine.get("ongoing", 0),
+                        mine.get("running", 0) + mine.get("waiting", 0))
+        return {
+            "effective_concurrency": effective,
+            "acceptance_prior": self.acceptance_prior(),
+            "peer_tiers": tuple(s.get("active_k", 0) for rid, s in self.replicas.items()
+                                if rid != replica_id),
+            "policy_override": self.policy_override,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"replicas": dict(self.replicas), "acceptance_prior": self.acceptance_prior(),
+                "policy_override": self.policy_override}
+
+
+@ray.remote(num_cpus=0)
+class TelemetryHub:
+    """The deployment-scoped actor. Every method is cheap and never blocks."""
+
+    def __init__(self) -> None:
+        self.state = ClusterState()
+
+    def push(self, replica_id: str, stats: dict[str, Any]) -> dict[str, Any]:
+        return self.state.push(replica_id, stats)
+
+    def set_policy_override(self, user_config: dict[str, Any]) -> None:
+        """Remember a fleet-wide reconfiguration so replicas started later apply it too."""
+        self.state.policy_override = user_config
+
+    def snapshot(self) -> dict[str, Any]:
+        self.state.expire(time.monotonic())
+        return self.state.snapshot()

@@ -1,0 +1,275 @@
+"""The engine-replica deployment: engine + tier pool + policy + control loop, behind Ray Serve.
+
+One instance per Serve replica. Requests stream through `generate`; a background task drains
+engine steps every `TICK_S`, feeds the control loop (which may switch tier), records metrics,
+and every telemetry period pushes stats to the telemetry hub and takes back the cluster view.
+`reconfigure` (Serve's user_config, or a broadcast from the ingress's admin route) swaps the
+policy and the candidate tiers without touching the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+
+from observability import tracing
+from observability.metrics import ReplicaMetrics
+from policies.registry import build_policy, parse_policy_config
+from policies.signals import ClusterView
+from replicas.control_loop import ControlLoop
+from replicas.engines.base import EngineInputError, GenerationRequest
+from replicas.engines.factory import build_engine
+from replicas.engines.spec import EngineSpec
+from replicas.tier_pool import TierPool
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.02
+HUB_ACTOR = "telemetry_hub"
+
+
+def _load_tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+class EngineReplica:
+    async def __init__(self, engine: dict[str, Any], candidates: list[int],
+                       policy: dict[str, Any], initial_k: int | None = None,
+                       decide_every_steps: int = 4, telemetry_period_s: float = 0.5):
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        rank = getattr(context.rank, "rank", context.rank) or 0
+        spec = EngineSpec(**{**engine, "tiers": tuple(candidates)})
+        self.model_name = spec.name
+        self.engine = build_engine(spec, replica_rank=int(rank))
+        await self.engine.start()
+        self.pool = TierPool(self.engine, candidates, initial_k)
+        await self.pool.apply_initial()
+        self.loop = ControlLoop(self.engine, self.pool, build_policy(policy, self.pool.candidates),
+                                decide_every_steps,
+                                getattr(self.engine, "request_acceptance", None))
+        self.policy_config = parse_policy_config(policy).model_dump()
+        tracing.configure_tracing("specserve-replica")
+        self.metrics = ReplicaMetrics(self.replica_id, self.pool.candidates)
+        self.active_spans = tracing.ActiveSpans()
+        self.telemetry_period_s = telemetry_period_s
+        self.ongoing = 0
+        self.cluster: ClusterView | None = None
+        self._window = ([0] * self.engine.kmax, [0] * self.engine.kmax)
+        self._hub: Any = None
+        self._hub_call: Any = None
+        # Loaded now: importing transformers inside a request would stall this event loop.
+        self._tokenizer = await asyncio.to_thread(_load_tokenizer, spec.model)
+        self._applied_override: dict[str, Any] | None = None
+        self._request_class: dict[str, str] = {}
+        self._class_acceptance: dict[str, float] = {}
+        self._control = asyncio.create_task(self._control_forever())
+        logger.info("replica %s ready: engine=%s candidates=%s K=%d", self.replica_id,
+                    self.engine.name, self.pool.candidates, self.pool.active_k)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def _render_chat(self, messages: list[dict[str, Any]]) -> str:
+        return self._tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=True)
+
+    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Stream one request: yields {"text", "token_ids", ...} chunks, or one {"error"}."""
+        self.ongoing += 1
+        self._request_class[payload["request_id"]] = payload.get("request_class", "default")
+        span = tracing.start_replica_span(
+            payload.get("trace_context"), request_id=payload["request_id"],
+            replica_id=self.replica_id, model=self.model_name, k_start=self.pool.active_k)
+        self.active_spans.add(span)
+        before = self.engine.counters()
+        prompt_tokens = completion_tokens = 0
+        error: BaseException | None = None
+        try:
+            prompt = payload.get("prompt")
+            if payload.get("messages") is not None:
+                prompt = self._render_chat(payload["messages"])
+            request = GenerationRequest(
+                request_id=payload["request_id"], prompt=prompt,
+                max_tokens=payload["max_tokens"], temperature=payload["temperature"],
+                top_p=payload["top_p"], seed=payload.get("seed"),
+                stop=tuple(payload.get("stop") or ()), logprobs=payload.get("logprobs"),
+                ignore_eos=payload.get("ignore_eos", False),
+                request_class=payload.get("request_class", "default"))
+            async for chunk in self.engine.generate(request):
+                prompt_tokens, completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
+                yield {"text": chunk.text, "token_ids": list(chunk.token_ids),
+                       "prompt_tokens": chunk.prompt_tokens,
+                       "completion_tokens": chunk.completion_tokens,
+                       "finish_reason": chunk.finish_reason,
+                       "logprobs": [{str(t): lp for t, lp in entry.items()}
+                                    for entry in chunk.logprobs] if chunk.logprobs else None}
+        except EngineInputError as bad_input:
+            error = bad_input
+            yield {"error": {"message": str(bad_input), "type": "invalid_request_error",
+                             "code": 400}}
+        except asyncio.CancelledError as cancelled:  # client went away: free the engine slot
+            error = cancelled
+            await self.engine.abort(payload["request_id"])
+            raise
+        finally:
+            self.ongoing -= 1
+            self._request_class.pop(payload["request_id"], None)
+            self.active_spans.discard(span)
+            after = self.engine.counters()
+            tracing.finish_span(
+                span, error=error, prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens, k_end=self.pool.active_k,
+                draft_tokens=after.draft_tokens - before.draft_tokens,
+                accepted_tokens=after.accepted_tokens - before.accepted_tokens,
+                verify_steps=after.drafts - before.drafts)
+
+    # ---- control ----------------------------------------------------------------------------
+
+    async def _control_forever(self) -> None:
+        last_push = 0.0
+        while True:
+            try:
+                await self._control_once()
+                if time.monotonic() - last_push >= self.telemetry_period_s:
+                    last_push = time.monotonic()
+                    await self._exchange_with_hub()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bad tick must never take the replica down
+                logger.exception("control tick failed")
+            await asyncio.sleep(TICK_S)
+
+    async def _control_once(self) -> None:
+        steps, decision, change = await self.loop.tick(self.cluster)
+        if steps:
+            self.metrics.record_steps(steps)
+            accepted, drafted = self._window
+            for step in steps:
+                for pos, count in enumerate(step.accepted_per_pos[:len(accepted)]):
+                    accepted[pos] += count
+                for pos, count in enumerate(step.drafted_per_pos[:len(drafted)]):
+                    drafted[pos] += count
+        if decision is not None:
+            self.metrics.record_decision_seconds(
+                self.loop.stats.decision_seconds_total / max(1, self.loop.stats.decisions))
+        if change is not None:
+            self.metrics.record_switch(change)
+            self.active_spans.record_tier_switch(change, decision)
+        self.metrics.set_effective_concurrency(self._effective_concurrency())
+
+    def _effective_concurrency(self) -> int:
+        counters = self.engine.counters()
+        local = max(self.ongoing, counters.running + counters.waiting)
+        return max(local, self.cluster.effective_concurrency if self.cluster else 0)
+
+    async def _exchange_with_hub(self) -> None:
+        """Push stats, read the cluster view; never waits on a slow or missing hub."""
+        if self._hub_call is not None:
+            done, _ = await asyncio.wait([self._hub_call], timeout=0)
+            if not done:
+                return  # the previous exchange is still in flight
+            try:
+                view = self._hub_call.result()
+            except Exception:  # hub restarting or gone: keep the local signals
+                self.cluster, self._hub, view = None, None, None
+            self._hub_call = None
+            if view is not None:
+                await self._apply_view(view)
+        if self._hub is None:
+            try:
+                self._hub = serve.get_deployment_actor(HUB_ACTOR)
+            except Exception:
+                return
+        accepted, drafted = self._window
+        self._window = ([0] * len(accepted), [0] * len(drafted))
+        self._hub_call = asyncio.ensure_future(self._hub.push.remote(
+            self.replica_id, {**self.record_routing_stats(), "window_accepted": accepted,
+                              "window_drafted": drafted}))
+
+    async def _apply_view(self, view: dict[str, Any]) -> None:
+        counters = self.engine.counters()
+        self.cluster = ClusterView(
+            effective_concurrency=max(view["effective_concurrency"], self.ongoing,
+                                      counters.running + counters.waiting),
+            acceptance_prior=tuple(view["acceptance_prior"]),
+            peer_tiers=tuple(view["peer_tiers"]))
+        override = view.get("policy_override")
+        if override and override != self._applied_override:
+            # A fleet-wide change made while this replica was away (or before it started).
+            await self.reconfigure(override, publish=False)
+
+    # ---- Serve hooks --------------------------------------------------------------------------
+
+    async def reconfigure(self, user_config: dict[str, Any], publish: bool = True) -> None:
+        """Change policy and/or candidate tiers at run time: no restart, no engine rebuild."""
+        if not user_config:
+            return
+        if "candidates" in user_config:
+            change = await self.pool.set_candidates(user_config["candidates"],
+                                                    user_config.get("initial_k"))
+            self.metrics.set_candidates(self.pool.candidates)
+            if change is not None:
+                self.metrics.record_switch(change)
+        if "policy" in user_config:
+            config = parse_policy_config(user_config["policy"])
+            self.loop.replace_policy(build_policy(config, self.pool.candidates))
+            self.policy_config = config.model_dump()
+            if config.name == "static":  # apply at once rather than at the next decision
+                change = await self.pool.switch(self.loop.policy.k)
+                if change is not None:
+                    self.metrics.record_switch(change)
+        self._applied_override = user_config
+        if publish and self._hub is not None:
+            with contextlib.suppress(Exception):
+                self._hub.set_policy_override.remote(user_config)
+        logger.info("replica %s reconfigured: %s", self.replica_id, user_config)
+
+    def _update_class_acceptance(self) -> None:
+        """Per request class, a decayed acceptance rate from the live requests' windows."""
+        provider = getattr(self.engine, "request_acceptance", None)
+        totals: dict[str, list[int]] = {}
+        for window in provider() if provider else ():
+            request_class = self._request_class.get(window.request_id, "default")
+            entry = totals.setdefault(request_class, [0, 0])
+            entry[0] += sum(window.accepted)
+            entry[1] += sum(window.drafted)
+        for request_class, (accepted, drafted) in totals.items():
+            if drafted:
+                old = self._class_acceptance.get(request_class, accepted / drafted)
+                self._class_acceptance[request_class] = 0.7 * old + 0.3 * accepted / drafted
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        self._update_class_acceptance()
+        counters = self.engine.counters()
+        return {"running": counters.running, "waiting": counters.waiting,
+                "ongoing": self.ongoing, "active_k": self.pool.active_k,
+                "effective": self._effective_concurrency(),
+                "class_acceptance": dict(self._class_acceptance),
+                "acceptance_rate": (counters.accepted_tokens / counters.draft_tokens
+                                    if counters.draft_tokens else None)}
+
+    def stats(self) -> dict[str, Any]:
+        counters = self.engine.counters()
+        return {"replica_id": self.replica_id, "engine": self.engine.name,
+                "active_k": self.pool.active_k, "candidates": list(self.pool.candidates),
+                "switch_count": self.pool.switch_count, "policy": self.policy_config,
+                "max_effective_concurrency": self.loop.stats.max_effective_concurrency,
+                "max_local_batch": self.loop.stats.max_local_batch,
+                "cluster_view": self.cluster is not None,
+                "counters": {key: value for key, value in counters.__dict__.items()
+                             if not isinstance(value, list)}}
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        return self.metrics.snapshot()
+
+    async def __del__(self) -> None:
+        self._control.cancel()
+        await self.engine.shutdown()
