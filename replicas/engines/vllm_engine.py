@@ -265,8 +265,14 @@ class VllmEngine:
                 output_kind=RequestOutputKind.DELTA)
         except (ValueError, VLLMClientError) as error:
             raise EngineInputError(str(error)) from error
-        prompt: Any = (request.prompt if request.prompt_token_ids is None
-                       else {"prompt_token_ids": list(request.prompt_token_ids)})
+        prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
+                      else self.tokenizer.encode(request.prompt or ""))
+        # vLLM's own server refuses this too; AsyncLLM alone would silently cut the output.
+        if len(prompt_ids) + request.max_tokens > self.max_model_len:
+            raise EngineInputError(
+                f"this model's context is {self.max_model_len} tokens; the prompt has "
+                f"{len(prompt_ids)} and max_tokens asks for {request.max_tokens} more")
+        prompt: Any = {"prompt_token_ids": prompt_ids}
         window: deque[tuple[int, int]] = deque(maxlen=REQUEST_WINDOW)
         self._acceptance[request.request_id] = window
         completion_tokens, first = 0, True
