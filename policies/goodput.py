@@ -11,8 +11,9 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
 - p[k] comes from per-position windows that count only drafts that reached position k, so the
   estimate stays unbiased when K changes; positions never drafted are filled from the cluster's
   acceptance prior, else extrapolated geometrically.
-- The windows decay towards the prior while no data arrives (at K=0 nothing is drafted), so a
-  replica that turned speculation off re-probes when the prior says it may pay again.
+- At K=0 nothing is drafted, so nothing would ever show that drafts started to land again: after
+  `probe_interval_steps` without speculation the policy runs the smallest positive tier for one
+  dwell period to measure (bounded exploration: at most two switches per interval).
 - Step costs are measured on this replica every step (seeded by a profile table), not only
   profiled once.
 - A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate.
@@ -44,6 +45,8 @@ class GoodputConfig(BaseModel):
     """Per-decision decay of the per-position acceptance windows."""
     prior_strength: float = Field(4.0, ge=0)
     """The prior counts as this many drafts at every position."""
+    probe_interval_steps: int = Field(256, ge=1)
+    """At K=0, measure the smallest positive tier again after this many engine steps."""
     cost_decay: float = Field(0.98, gt=0, le=1)
     """Per-observation decay of the step-cost fits."""
     profile: list[tuple[int, int, float]] = Field(default_factory=list)
@@ -106,10 +109,11 @@ class AcceptanceWindow:
         self.drafted = [0.0] * kmax
 
     def update(self, accepted: tuple[int, ...], drafted: tuple[int, ...]) -> None:
-        for k in range(len(self.accepted)):
-            self.accepted[k] = self.accepted[k] * self.decay + (
-                accepted[k] if k < len(accepted) else 0)
-            self.drafted[k] = self.drafted[k] * self.decay + (drafted[k] if k < len(drafted) else 0)
+        """Slide only the positions that were drafted: evidence is kept while K is lower."""
+        for k in range(min(len(self.accepted), len(drafted))):
+            if drafted[k]:
+                self.accepted[k] = self.accepted[k] * self.decay + accepted[k]
+                self.drafted[k] = self.drafted[k] * self.decay + drafted[k]
 
     def rates(self, prior: tuple[float, ...]) -> list[float]:
         rates: list[float] = []
@@ -170,6 +174,10 @@ class GoodputPolicy:
                   "score_current": scores[current], "score_best": scores[best]}
         if self._steps_on_tier < self.config.min_dwell_steps:
             return Decision(current, "dwell", inputs)
+        positive = [k for k in self.candidates if k > 0]
+        if current == 0 and positive and self._steps_on_tier >= self.config.probe_interval_steps:
+            self._steps_on_tier = 0
+            return Decision(positive[0], "probe: measure acceptance again", inputs)
         if best != current and scores[best] > scores[current] * (1 + self.config.switch_margin):
             self._steps_on_tier = 0
             return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",

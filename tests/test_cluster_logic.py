@@ -1,0 +1,79 @@
+"""Router ranking, telemetry-hub view and control-loop folding: the pure cluster logic."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app.router import ReplicaLoad, expected_acceptance, rank_replicas
+from app.telemetry_hub import ClusterState
+from policies.registry import build_policy
+from replicas.control_loop import ControlLoop, fold_steps
+from replicas.engines.base import GenerationRequest, StepRecord
+from replicas.engines.sim_engine import SimulatedEngine
+from replicas.engines.sim_presets import PRESETS
+from replicas.tier_pool import TierPool
+
+
+def test_router_prefers_least_loaded_then_the_fitting_tier():
+    replicas = [ReplicaLoad("deep", 3, 15), ReplicaLoad("shallow", 3, 1),
+                ReplicaLoad("busy", 9, 7)]
+    assert rank_replicas(replicas, acceptance=0.9) == [["deep"], ["shallow", "busy"]]
+    assert rank_replicas(replicas, acceptance=0.05) == [["shallow"], ["deep", "busy"]]
+    # Load comes first: a fitting tier on a much busier replica does not win.
+    assert rank_replicas([ReplicaLoad("deep", 9, 15), ReplicaLoad("shallow", 2, 1)],
+                         acceptance=0.9)[0] == ["shallow"]
+
+
+def test_router_learns_class_acceptance_from_replica_reports():
+    assert expected_acceptance("greedy", []) > 0.5 > expected_acceptance("sampled", [])
+    assert expected_acceptance("greedy", [{"greedy": 0.1}, {"greedy": 0.3}]) == 0.2
+
+
+def test_hub_view_counts_effective_concurrency_and_builds_the_prior():
+    hub = ClusterState(stale_after_s=3)
+    hub.push("a", {"running": 4, "waiting": 3, "ongoing": 9, "active_k": 7,
+                   "window_accepted": [8, 4], "window_drafted": [10, 10]}, now=0.0)
+    view = hub.push("b", {"running": 1, "waiting": 0, "ongoing": 1, "active_k": 1,
+                          "window_accepted": [2, 0], "window_drafted": [10, 0]}, now=0.5)
+    assert hub.view("a")["effective_concurrency"] == 9
+    assert view["peer_tiers"] == (7,)
+    assert view["acceptance_prior"] == (0.5, 0.4)
+    # A replica that stopped pushing leaves the view.
+    hub.push("b", {"running": 0, "waiting": 0, "ongoing": 0, "active_k": 1}, now=4.0)
+    assert set(hub.replicas) == {"b"}
+
+
+def test_fold_keeps_per_position_counts_unbiased_across_k_changes():
+    steps = [StepRecord(running=2, waiting=0, k=7, wall_s=0.02, drafts=2, draft_tokens=14,
+                        accepted_tokens=6, accepted_per_pos=(2, 2, 1, 1, 0, 0, 0),
+                        drafted_per_pos=(2,) * 7),
+             StepRecord(running=2, waiting=1, k=1, wall_s=0.0, drafts=2, draft_tokens=2,
+                        accepted_tokens=2, accepted_per_pos=(2,) + (0,) * 6,
+                        drafted_per_pos=(2,) + (0,) * 6)]
+    signals = fold_steps(steps, (0, 1, 7), current_k=1)
+    assert signals.drafted_per_pos[:3] == (4, 2, 2)
+    assert signals.accepted_per_pos[:3] == (4, 2, 1)
+    assert (signals.running, signals.waiting, signals.steps) == (2, 1, 2)
+    assert [c.k for c in signals.step_costs] == [7], "a step of unknown time is left out"
+
+
+def test_simulator_outputs_do_not_depend_on_k_and_control_loop_switches():
+    async def run(k: int) -> list[int]:
+        engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, time_scale=0.0)
+        await engine.start()
+        pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=k)
+        await pool.apply_initial()
+        loop = ControlLoop(engine, pool, build_policy({"name": "static", "k": k},
+                                                      pool.candidates))
+        ids: list[int] = []
+        async for chunk in engine.generate(GenerationRequest("r", prompt="a b c",
+                                                             max_tokens=40, temperature=0)):
+            ids.extend(chunk.token_ids)
+            await loop.tick()
+        steps = engine.counters()
+        await engine.shutdown()
+        assert steps.draft_tokens == steps.drafts * k
+        return ids
+
+    outputs = [asyncio.run(run(k)) for k in (0, 3, 15)]
+    assert len(outputs[0]) == 40 and outputs[0] == outputs[1] == outputs[2]

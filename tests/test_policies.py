@@ -1,0 +1,202 @@
+"""Policies: golden behaviour against the systems they follow, and properties that must hold."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.batch_table import lookup
+from policies.ema import EmaConfig, EmaPolicy
+from policies.goodput import GoodputConfig, GoodputPolicy
+from policies.registry import POLICY_NAMES, build_policy
+from policies.signals import ClusterView, RequestAcceptance, Signals
+from policies.stability import StabilityConfig, StabilityPolicy, request_length
+
+CANDIDATES = (0, 1, 3, 7, 15)
+
+
+def window(k: int, acceptance: float, batch: int = 4, steps: int = 4,
+           cluster: ClusterView | None = None) -> Signals:
+    """Expected counts of a window where each draft position lands with probability
+    `acceptance` given the previous one landed (p[k] = acceptance ** (k + 1))."""
+    drafts = batch * steps if k else 0
+    accepted = tuple(round(drafts * acceptance ** (pos + 1)) if pos < k else 0
+                     for pos in range(15))
+    drafted = tuple(drafts if pos < k else 0 for pos in range(15))
+    return Signals(candidates=CANDIDATES, current_k=k, steps=steps, running=batch, waiting=0,
+                   drafts=drafts, draft_tokens=drafts * k, accepted_tokens=sum(accepted),
+                   accepted_per_pos=accepted, drafted_per_pos=drafted, cluster=cluster)
+
+
+# ---- EMA: SGLang's worked thresholds with candidates [1, 3, 7] --------------------------------
+
+def ema_slot(current: int, ema: float):
+    policy = EmaPolicy(EmaConfig.model_validate({"1": [1, 3, 7], "warmup_batches": 0,
+                                                 "update_interval": 1}), (1, 3, 7))
+    slot = policy.slot_for(1)
+    slot.current, slot.ema, slot.alpha = current, ema, 0.0  # freeze the EMA at `ema`
+    slot.update(ema)
+    return slot.current
+
+
+@pytest.mark.parametrize(("current", "ema", "expected"), [
+    (7, 2.25, 3), (7, 2.26, 7),      # 7 -> 3 at ema <= 2.25
+    (3, 2.51, 7), (3, 2.5, 3),       # 3 -> 7 at ema > 2.5
+    (1, 0.51, 3), (1, 0.5, 1),       # 1 -> 3 at ema > 0.5
+    (7, 0.2, 1),                     # may drop several tiers at once
+])
+def test_ema_reproduces_sglang_thresholds(current, ema, expected):
+    assert ema_slot(current, ema) == expected
+
+
+def test_ema_probes_up_from_zero_and_waits_for_warmup():
+    policy = EmaPolicy(EmaConfig.model_validate({"1": [0, 1, 3], "warmup_batches": 10,
+                                                 "update_interval": 5}), CANDIDATES)
+    slot = policy.slot_for(1)
+    slot.current = 0
+    decisions = [policy.decide(window(0, 0.0, batch=1, steps=1)).k for _ in range(10)]
+    assert decisions == [0] * 10, "no switch during warm-up"
+    decisions = [policy.decide(window(0, 0.0, batch=1, steps=1)).k for _ in range(5)]
+    assert decisions[-1] == 1, "from 0 the policy always probes the next tier"
+
+
+def test_ema_accepts_sglang_json_as_is():
+    config = EmaConfig.model_validate(
+        {"1": {"candidate_steps": [1, 3, 7], "down_hysteresis": -0.5}, "8": [0, 1],
+         "ema_alpha": 0.3})
+    assert config.slots[1].candidate_steps == [1, 3, 7]
+    assert config.slots[1].down_hysteresis == -0.5
+    assert config.slots[8].candidate_steps == [0, 1]
+    assert config.ema_alpha == 0.3
+
+
+# ---- batch_table: vLLM's schema and semantics ----------------------------------------------------
+
+def test_batch_table_follows_vllm_lookup():
+    rows = [(1, 16, 3), (32, 128, 2)]
+    assert [lookup(rows, b) for b in (1, 16, 20, 31, 32, 500)] == [3, 3, 3, 3, 2, 2]
+
+
+def test_batch_table_effective_vs_local():
+    config = {"name": "batch_table", "num_speculative_tokens_per_batch_size": [[1, 4, 7],
+                                                                              [5, 64, 1]]}
+    busy = ClusterView(effective_concurrency=20)
+    local = build_policy({**config, "concurrency_source": "local"}, CANDIDATES)
+    effective = build_policy(config, CANDIDATES)
+    assert local.decide(window(7, 0.9, batch=2, cluster=busy)).k == 7
+    assert effective.decide(window(7, 0.9, batch=2, cluster=busy)).k == 1
+
+
+@pytest.mark.parametrize("rows", [[[2, 4, 1]], [[1, 8, 3], [4, 9, 1]], []])
+def test_batch_table_rejects_what_vllm_rejects(rows):
+    with pytest.raises(ValueError):
+        build_policy({"name": "batch_table", "num_speculative_tokens_per_batch_size": rows},
+                     CANDIDATES)
+
+
+# ---- goodput ------------------------------------------------------------------------------------
+
+PROFILE = [(b, k, 0.007 + 0.001 * b + 0.00025 * k + 0.00005 * b * k)
+           for b in (1, 8, 32) for k in CANDIDATES]
+
+
+def goodput(**overrides) -> GoodputPolicy:
+    """No dwell and no margin, so the answer does not depend on the path taken to it."""
+    settings_ = {"profile": PROFILE, "min_dwell_steps": 0, "switch_margin": 0.0, **overrides}
+    return GoodputPolicy(GoodputConfig(**settings_), CANDIDATES)
+
+
+def settle(policy: GoodputPolicy, acceptance: float, batch: int, rounds: int = 30) -> int:
+    k = 3
+    for _ in range(rounds):
+        k = policy.decide(window(k, acceptance, batch=batch)).k
+    return k
+
+
+def test_goodput_speculates_deep_when_drafts_land_and_stops_when_they_miss():
+    assert settle(goodput(), acceptance=1.0, batch=1) == 15
+    assert settle(goodput(), acceptance=0.0, batch=8) == 0
+
+
+def test_goodput_probes_again_after_a_long_stretch_at_zero():
+    policy = goodput(probe_interval_steps=40)
+    assert settle(policy, acceptance=0.0, batch=8, rounds=8) == 0
+    ks = [policy.decide(window(0, 0.0, batch=8)).k for _ in range(12)]
+    assert ks.count(1) == 1 and set(ks) == {0, 1}, "one probe of the smallest tier"
+
+
+def test_goodput_dwell_blocks_early_switches():
+    policy = goodput(min_dwell_steps=100)
+    assert all(policy.decide(window(3, 1.0, batch=1)).k == 3 for _ in range(20))
+
+
+@settings(max_examples=40, deadline=None)
+@given(acceptance=st.floats(0, 1), batch=st.integers(1, 64))
+def test_goodput_always_answers_a_candidate(acceptance, batch):
+    assert settle(goodput(), acceptance, batch, rounds=5) in CANDIDATES
+
+
+@settings(max_examples=25, deadline=None)
+@given(low=st.floats(0, 1), high=st.floats(0, 1), batch=st.integers(1, 32))
+def test_goodput_is_monotone_in_acceptance(low, high, batch):
+    low, high = sorted((low, high))
+    assert settle(goodput(), low, batch) <= settle(goodput(), high, batch)
+
+
+@settings(max_examples=25, deadline=None)
+@given(small=st.integers(1, 64), large=st.integers(1, 64), acceptance=st.floats(0.3, 0.9))
+def test_goodput_speculates_less_as_batch_grows_when_verify_is_compute_bound(
+        small, large, acceptance):
+    small, large = sorted((small, large))
+    # A fixed step overhead, then verify work that grows with batch x (K + 1).
+    costs = [(b, k, 0.01 + 0.0005 * b * (k + 1)) for b in (1, 64) for k in CANDIDATES]
+    assert settle(goodput(profile=costs), acceptance, large) <= \
+        settle(goodput(profile=costs), acceptance, small)
+
+
+def test_goodput_new_replica_starts_from_the_cluster_prior():
+    prior = ClusterView(effective_concurrency=1, acceptance_prior=(0.99,) * 15)
+    pessimistic = ClusterView(effective_concurrency=1, acceptance_prior=(0.01,) * 15)
+    fresh = window(3, 0.0, batch=1, steps=1)
+    assert goodput().decide(Signals(**{**fresh.__dict__, "drafts": 0, "cluster": prior,
+                                       "accepted_per_pos": (), "drafted_per_pos": ()})).k == 15
+    assert goodput().decide(Signals(**{**fresh.__dict__, "drafts": 0, "cluster": pessimistic,
+                                       "accepted_per_pos": (), "drafted_per_pos": ()})).k == 0
+
+
+# ---- stability (DSDE) -------------------------------------------------------------------------
+
+def test_stability_caps_long_on_steady_acceptance_and_short_on_erratic():
+    config = StabilityConfig()
+    steady = RequestAcceptance("a", accepted=(7,) * 30, drafted=(7,) * 30)
+    erratic = RequestAcceptance("b", accepted=(7, 0) * 15, drafted=(7,) * 30)
+    assert request_length(steady, config) == 7
+    assert request_length(erratic, config) < 7
+    policy = StabilityPolicy(config, CANDIDATES)
+    base = window(7, 1.0, batch=1)
+    assert policy.decide(Signals(**{**base.__dict__, "requests": (steady,)})).k == 7
+
+
+def test_stability_turns_speculation_off_when_nothing_lands():
+    policy = StabilityPolicy(StabilityConfig(), CANDIDATES)
+    dead = RequestAcceptance("a", accepted=(0,) * 30, drafted=(7,) * 30)
+    base = window(7, 0.0, batch=1)
+    assert policy.decide(Signals(**{**base.__dict__, "requests": (dead,)})).k == 0
+
+
+# ---- every policy -------------------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(POLICY_NAMES), k=st.sampled_from(CANDIDATES),
+       acceptance=st.floats(0, 1), batch=st.integers(0, 128))
+def test_every_policy_answers_a_candidate(name, k, acceptance, batch):
+    policy = build_policy({"name": name}, CANDIDATES)
+    for _ in range(3):
+        k = policy.decide(window(k, acceptance, batch=batch)).k
+        assert k in CANDIDATES
+
+
+def test_unknown_policy_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown policy"):
+        build_policy({"name": "magic"}, CANDIDATES)
