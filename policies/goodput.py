@@ -15,7 +15,7 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   `probe_interval_steps` without speculation the policy runs the smallest positive tier for one
   dwell period to measure (bounded exploration: at most two switches per interval).
 - Step costs are measured on this replica every step (seeded by a profile table), not only
-  profiled once.
+  profiled once, and interpolated piecewise in batch size so the regime knee is kept.
 - A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate.
 """
 
@@ -47,45 +47,54 @@ class GoodputConfig(BaseModel):
     """The prior counts as this many drafts at every position."""
     probe_interval_steps: int = Field(256, ge=1)
     """At K=0, measure the smallest positive tier again after this many engine steps."""
-    cost_decay: float = Field(0.98, gt=0, le=1)
-    """Per-observation decay of the step-cost fits."""
+    cost_decay: float = Field(0.9, gt=0, le=1)
+    """Per-observation decay of a measured step cost (the EWMA keeps 1 - decay of news)."""
     profile: list[tuple[int, int, float]] = Field(default_factory=list)
     """Seed step costs: (batch, K, seconds) rows, e.g. from `bench.engine_bench`."""
 
 
 class StepCostModel:
-    """Per K, a decayed least-squares line seconds = a + b * batch."""
+    """Per K, step seconds measured at each batch size (an EWMA per point), interpolated
+    piecewise-linearly in batch size: it follows the knee between the memory-bound regime
+    (flat in batch x K) and the compute-bound one, which one straight line would smear."""
 
     def __init__(self, decay: float):
-        self.decay = decay
-        self._sums: dict[int, list[float]] = {}  # k -> [w, wB, wT, wBB, wBT]
+        self.weight_new = 1 - decay
+        self._points: dict[int, dict[int, float]] = {}  # k -> batch -> seconds
 
     def observe(self, cost: StepCost) -> None:
         if cost.seconds <= 0 or cost.batch <= 0:
             return
-        sums = self._sums.setdefault(cost.k, [0.0] * 5)
-        b, t = float(cost.batch), cost.seconds
-        for i, value in enumerate((1.0, b, t, b * b, b * t)):
-            sums[i] = sums[i] * self.decay + value
+        points = self._points.setdefault(cost.k, {})
+        old = points.get(cost.batch)
+        points[cost.batch] = cost.seconds if old is None else \
+            old + self.weight_new * (cost.seconds - old)
 
     def known(self) -> list[int]:
-        return sorted(self._sums)
+        return sorted(self._points)
 
-    def _fit(self, k: int, batch: float) -> float:
-        w, wb, wt, wbb, wbt = self._sums[k]
-        mean_b, mean_t = wb / w, wt / w
-        var_b = wbb / w - mean_b * mean_b
-        # One batch size seen so far: assume the cost grows as in the memory-bound regime,
-        # i.e. not at all with batch (a flat line through the mean).
-        slope = max(0.0, (wbt / w - mean_b * mean_t) / var_b) if var_b > 1e-9 else 0.0
-        return max(1e-6, mean_t + slope * (batch - mean_b))
+    def _at_batch(self, k: int, batch: int) -> float:
+        points = self._points[k]
+        if batch in points:
+            return points[batch]
+        sizes = sorted(points)
+        lower = [b for b in sizes if b < batch]
+        upper = [b for b in sizes if b > batch]
+        if lower and upper:
+            b0, b1 = lower[-1], upper[0]
+        elif len(sizes) >= 2:
+            b0, b1 = (sizes[-2], sizes[-1]) if lower else (sizes[0], sizes[1])
+        else:
+            return points[sizes[0]]  # one batch size seen: assume flat (memory-bound)
+        t0, t1 = points[b0], points[b1]
+        return max(1e-6, t0 + (t1 - t0) * (batch - b0) / (b1 - b0))
 
     def predict(self, batch: int, k: int) -> float | None:
         known = self.known()
         if not known:
             return None
-        if k in self._sums:
-            return self._fit(k, batch)
+        if k in self._points:
+            return self._at_batch(k, batch)
         # Unmeasured K: interpolate (or extrapolate) linearly in K between measured neighbours.
         lower = [j for j in known if j < k]
         upper = [j for j in known if j > k]
@@ -94,8 +103,8 @@ class StepCostModel:
         elif len(known) >= 2:
             k0, k1 = (known[-2], known[-1]) if lower else (known[0], known[1])
         else:
-            return self._fit(known[0], batch)
-        t0, t1 = self._fit(k0, batch), self._fit(k1, batch)
+            return self._at_batch(known[0], batch)
+        t0, t1 = self._at_batch(k0, batch), self._at_batch(k1, batch)
         return max(1e-6, t0 + (t1 - t0) * (k - k0) / (k1 - k0))
 
 
@@ -109,11 +118,17 @@ class AcceptanceWindow:
         self.drafted = [0.0] * kmax
 
     def update(self, accepted: tuple[int, ...], drafted: tuple[int, ...]) -> None:
-        """Slide only the positions that were drafted: evidence is kept while K is lower."""
-        for k in range(min(len(self.accepted), len(drafted))):
-            if drafted[k]:
-                self.accepted[k] = self.accepted[k] * self.decay + accepted[k]
-                self.drafted[k] = self.drafted[k] * self.decay + drafted[k]
+        """Slide the windows when drafts arrived; at K=0 (no evidence at all) keep them.
+
+        Positions deeper than the current K fade too, so their estimate moves to the
+        extrapolation from the fresh, shallower positions rather than staying stale.
+        """
+        if not any(drafted):
+            return
+        for k in range(len(self.accepted)):
+            self.accepted[k] = self.accepted[k] * self.decay + (
+                accepted[k] if k < len(accepted) else 0)
+            self.drafted[k] = self.drafted[k] * self.decay + (drafted[k] if k < len(drafted) else 0)
 
     def rates(self, prior: tuple[float, ...]) -> list[float]:
         rates: list[float] = []

@@ -46,6 +46,7 @@ class _SimRequest:
     rng: random.Random
     generated: int = 0
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: bool = False
     aborted: bool = False
 
 
@@ -118,12 +119,23 @@ class SimulatedEngine:
                 f"exceeds the context of {self.max_model_len} tokens")
         return prompt
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        prompt = self._validate(request)
+    def submit(self, request: GenerationRequest) -> _SimRequest:
+        """Queue a request without streaming it (virtual-time harnesses poll `generated`)."""
+        self._validate(request)
         entry = _SimRequest(request, self.preset.acceptance_for(request),
                             random.Random(f"{request.request_id}{request.seed}"))
         self._waiting.append(entry)
         self._wake.set()
+        return entry
+
+    def admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            entry = self._waiting.popleft()
+            self._running[entry.request.request_id] = entry
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        prompt = self._validate(request)
+        entry = self.submit(request)
         prompt_tokens = len(prompt.split())
         try:
             while True:
@@ -145,9 +157,7 @@ class SimulatedEngine:
             if not self._running and not self._waiting:
                 self._wake.clear()
                 await self._wake.wait()
-            while self._waiting and len(self._running) < self.max_num_seqs:
-                entry = self._waiting.popleft()
-                self._running[entry.request.request_id] = entry
+            self.admit()
             seconds = self.step()
             await asyncio.sleep(seconds * self.time_scale)
 
@@ -169,6 +179,7 @@ class SimulatedEngine:
             accepted_total += run
             generated += tokens
             finished = entry.generated >= entry.request.max_tokens
+            entry.done = finished
             entry.queue.put_nowait(((0,) * tokens, finished))
             if finished:
                 self._running.pop(entry.request.request_id, None)

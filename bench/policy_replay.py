@@ -1,0 +1,237 @@
+"""Policy replay: every policy and every static K through the SIMULATOR, in virtual time.
+
+    python -m bench.policy_replay --preset h20-llama8b-ngram --workload transition --json PATH
+    python -m bench.policy_replay --preset cpu-demo --workload sweep
+
+The simulator engine (a cost model and synthetic acceptance, not a model) runs each mode over
+the same workload: the transition phases low_1, high_1, low_2, high_2 (each `--requests`
+requests at `--concurrency`, `--max-tokens` tokens each), or the concurrency sweep
+1 -> 16 -> 64 -> 1. The real control loop, tier pool and policies decide; time is the sum of
+simulated step times, so a run takes seconds. Prints SGLang-benchmark-style tables with an
+"oracle" row (best static per phase) and saves a plot of K over time per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.report import compare_to_statics, print_table, verdict
+from policies.registry import build_policy
+from policies.signals import Signals
+from replicas.control_loop import ControlLoop
+from replicas.engines.base import GenerationRequest
+from replicas.engines.sim_engine import SimulatedEngine
+from replicas.engines.sim_presets import PRESETS
+from replicas.tier_pool import TierPool
+
+CANDIDATES = (0, 1, 3, 7, 15)
+# SGLang's published transition run (Llama-3.1-8B-Instruct, NGRAM, one H20; design notes):
+# overall tok/s, then low_1, high_1, low_2, high_2.
+PUBLISHED_H20 = {"static1": (1093.0, 931.3, 1076.1, 1034.3, 1454.2),
+                 "static3": (1640.0, 1306.0, 1276.1, 1913.6, 2728.9),
+                 "static7": (1660.0, 1113.9, 1240.2, 2090.0, 4413.2),
+                 "static15": (1301.3, 906.9, 865.7, 1578.8, 5458.2)}
+STATIC = ("static1", "static3", "static7", "static15")
+ADAPTIVE = ("batch_table", "ema", "goodput", "stability")
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    request_class: str
+    concurrency: int
+    requests: int
+
+
+def phases_for(workload: str, requests: int, concurrency: int) -> list[Phase]:
+    if workload == "transition":
+        return [Phase(name, name, concurrency, requests)
+                for name in ("low_1", "high_1", "low_2", "high_2")]
+    return [Phase(f"c{c}" + ("_end" if i == 3 else ""), "high" if i % 2 else "low", c,
+                  max(requests, 2 * c)) for i, c in enumerate((1, 16, 64, 1))]
+
+
+def policy_config(mode: str, preset: str) -> dict[str, Any]:
+    if mode.startswith("static"):
+        return {"name": "static", "k": int(mode.removeprefix("static"))}
+    if mode == "goodput":  # seeded by a start-up profile of the simulated engine's costs
+        costs = PRESETS[preset]
+        profile = [(b, k, costs.step_seconds(b, k)) for b in (1, 8, 64) for k in CANDIDATES]
+        return {"name": "goodput", "profile": profile}
+    return {"name": mode}
+
+
+@dataclass
+class PhaseResult:
+    tokens: int = 0
+    seconds: float = 0.0
+    sequence_steps: int = 0
+
+
+@dataclass
+class ModeResult:
+    phases: dict[str, PhaseResult] = field(default_factory=dict)
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+    switches: int = 0
+
+
+async def replay(mode: str, preset: str, phases: list[Phase], max_tokens: int) -> ModeResult:
+    engine = SimulatedEngine(PRESETS[preset], kmax=max(CANDIDATES), max_num_seqs=256)
+    pool = TierPool(engine, CANDIDATES, initial_k=3)
+    await pool.apply_initial()
+    loop = ControlLoop(engine, pool, build_policy(policy_config(mode, preset), CANDIDATES))
+    result, clock, serial = ModeResult(), 0.0, 0
+    for phase in phases:
+        outcome = result.phases.setdefault(phase.name, PhaseResult())
+        in_flight: list[Any] = []
+        submitted = 0
+        while submitted < phase.requests or in_flight:
+            while submitted < phase.requests and len(in_flight) < phase.concurrency:
+                serial += 1
+                in_flight.append(engine.submit(GenerationRequest(
+                    request_id=f"{mode}-{serial}", prompt="sim", max_tokens=max_tokens,
+                    temperature=0.0, request_class=phase.request_class, seed=serial)))
+                submitted += 1
+            engine.admit()
+            before = engine.counters()
+            seconds = engine.step()
+            after = engine.counters()
+            clock += seconds
+            outcome.seconds += seconds
+            outcome.tokens += after.generated_tokens - before.generated_tokens
+            outcome.sequence_steps += after.sequence_steps - before.sequence_steps
+            in_flight = [entry for entry in in_flight if not entry.done]
+            await loop.tick()
+            result.timeline.append((clock, pool.active_k))
+    result.switches = pool.switch_count
+    return result
+
+
+def decision_time_us(preset: str, mode: str, repeats: int = 2000) -> float:
+    """Median wall time of one `decide` call (microseconds) on a typical window."""
+    policy = build_policy(policy_config(mode, preset), CANDIDATES)
+    signals = Signals(candidates=CANDIDATES, current_k=3, steps=4, running=8, waiting=0,
+                      drafts=32, draft_tokens=96, accepted_tokens=60,
+                      accepted_per_pos=(28, 20, 12) + (0,) * 12,
+                      drafted_per_pos=(32, 32, 32) + (0,) * 12)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        policy.decide(signals)
+        times.append(time.perf_counter() - started)
+    return 1e6 * statistics.median(times)
+
+
+def summarise(results: dict[str, ModeResult], phase_names: list[str]) -> dict[str, Any]:
+    modes: dict[str, Any] = {}
+    for mode, r in results.items():
+        tokens = sum(p.tokens for p in r.phases.values())
+        seconds = sum(p.seconds for p in r.phases.values())
+        steps = sum(p.sequence_steps for p in r.phases.values())
+        modes[mode] = {"throughput": tokens / seconds, "accept_len": tokens / steps,
+                       "switches": r.switches,
+                       "phases": {n: r.phases[n].tokens / r.phases[n].seconds
+                                  for n in phase_names}}
+    best = {n: max(modes[m]["phases"][n] for m in STATIC if m in modes) for n in phase_names}
+    # Phases carry equal token counts, so the oracle's overall rate is the harmonic mean.
+    modes["oracle"] = {"throughput": len(best) / sum(1 / v for v in best.values()),
+                       "accept_len": None, "switches": None, "phases": best}
+    return modes
+
+
+def report(modes: dict[str, Any], phase_names: list[str], decision_us: dict[str, float],
+           compare_published: bool = False) -> str:
+    statics = {m: modes[m]["throughput"] for m in STATIC if m in modes}
+    best_static = max(statics, key=statics.get)
+    rows = [[m, f"{r['throughput']:.1f}",
+             "-" if r["accept_len"] is None else f"{r['accept_len']:.2f}",
+             "-" if r["switches"] is None else r["switches"],
+             *(f"{r['phases'][n]:.1f}" for n in phase_names)] for m, r in modes.items()]
+    parts = [print_table("OVERALL AND PER PHASE (tok/s, simulated time)",
+                         ["mode", "tok/s", "accept len", "switches", *phase_names], rows)]
+    comparisons = compare_to_statics({m: r["throughput"] for m, r in modes.items()
+                                      if m != "oracle"})
+    parts.append(print_table("ADAPTIVE VS STATIC", ["adaptive", "static", "delta", "verdict"],
+                             [[a, s, f"{d:+.1%}", verdict(d)] for a, s, d in comparisons]))
+    ratio_rows = []
+    for mode in (m for m in ADAPTIVE if m in modes):
+        ratio_rows.append([mode, f"{modes[mode]['throughput'] / statics[best_static]:.3f}",
+                           *(f"{modes[mode]['phases'][n] / modes['oracle']['phases'][n]:.3f}"
+                             for n in phase_names), f"{decision_us[mode]:.1f}"])
+    parts.append(print_table(
+        f"RATIOS (vs best static = {best_static}; per phase vs oracle)",
+        ["mode", "vs best static", *(f"{n} / oracle" for n in phase_names),
+         "decide() median us"], ratio_rows))
+    if compare_published and phase_names == ["low_1", "high_1", "low_2", "high_2"]:
+        parts.append(print_table(
+            "REPLAY / PUBLISHED (H20 static table; within 10% overall, 15% per phase?)",
+            ["mode", "overall", *phase_names],
+            [[m, *(f"{ours / theirs:.3f}" for ours, theirs in zip(
+                (modes[m]["throughput"], *(modes[m]["phases"][n] for n in phase_names)),
+                published, strict=True))] for m, published in PUBLISHED_H20.items()]))
+    return "\n\n".join(parts)
+
+
+def plot(results: dict[str, ModeResult], modes: dict[str, Any], phase_names: list[str],
+         path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_k, ax_tp) = plt.subplots(2, 1, figsize=(11, 6.5))
+    for mode in ADAPTIVE:
+        if mode in results:
+            xs, ks = zip(*results[mode].timeline, strict=True)
+            ax_k.step(xs, ks, where="post", label=mode)
+    ax_k.set(xlabel="simulated time (s)", ylabel="K", title="K over time per policy")
+    ax_k.legend(fontsize=8)
+    names = [m for m in modes]
+    width = 0.8 / len(names)
+    for i, mode in enumerate(names):
+        ax_tp.bar([j + i * width for j in range(len(phase_names))],
+                  [modes[mode]["phases"][n] for n in phase_names], width, label=mode)
+    ax_tp.set_xticks([j + 0.4 - width / 2 for j in range(len(phase_names))], phase_names)
+    ax_tp.set(ylabel="tok/s", title="throughput per phase")
+    ax_tp.legend(fontsize=7, ncol=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="h20-llama8b-ngram")
+    parser.add_argument("--workload", choices=["transition", "sweep"], default="transition")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args()
+    phases = phases_for(args.workload, args.requests, args.concurrency)
+    names = [p.name for p in phases]
+    results = {mode: asyncio.run(replay(mode, args.preset, phases, args.max_tokens))
+               for mode in (*STATIC, *ADAPTIVE)}
+    modes = summarise(results, names)
+    decision_us = {mode: decision_time_us(args.preset, mode) for mode in ADAPTIVE}
+    text = report(modes, names, decision_us, args.preset == "h20-llama8b-ngram")
+    print(f"SIMULATOR preset {args.preset}, workload {args.workload}\n\n{text}")
+    stem = Path("bench/results") / f"policy_replay_{args.preset}_{args.workload}"
+    json_path, plot_path = args.json or stem.with_suffix(".json"), args.plot or \
+        stem.with_suffix(".png")
+    json_path.write_text(json.dumps({"preset": args.preset, "workload": args.workload,
+                                     "modes": modes, "decision_us": decision_us}, indent=2))
+    (args.markdown or stem.with_suffix(".md")).write_text(text + "\n")
+    plot(results, modes, names, plot_path)
+
+
+if __name__ == "__main__":
+    main()
