@@ -21,12 +21,12 @@ from ray import serve
 from observability import tracing
 from observability.metrics import ReplicaMetrics
 from policies.registry import build_policy, parse_policy_config
-from policies.signals import ClusterView
+from policies.signals import ClusterView, Decision
 from replicas.control_loop import ControlLoop
 from replicas.engines.base import EngineInputError, GenerationRequest
 from replicas.engines.factory import build_engine
 from replicas.engines.spec import EngineSpec
-from replicas.tier_pool import TierPool
+from replicas.tier_pool import TierPool, TierSwitch
 
 logger = logging.getLogger(__name__)
 
@@ -161,9 +161,13 @@ class EngineReplica:
             self.metrics.record_decision_seconds(
                 self.loop.stats.decision_seconds_total / max(1, self.loop.stats.decisions))
         if change is not None:
-            self.metrics.record_switch(change)
-            self.active_spans.record_tier_switch(change, decision)
+            self._note_switch(change, decision)
         self.metrics.set_effective_concurrency(self._effective_concurrency())
+
+    def _note_switch(self, change: TierSwitch, decision: Decision) -> None:
+        """Every tier switch is counted once and marked on every in-flight request span."""
+        self.metrics.record_switch(change)
+        self.active_spans.record_tier_switch(change, decision)
 
     def _effective_concurrency(self) -> int:
         counters = self.engine.counters()
@@ -217,7 +221,7 @@ class EngineReplica:
                                                     user_config.get("initial_k"))
             self.metrics.set_candidates(self.pool.candidates)
             if change is not None:
-                self.metrics.record_switch(change)
+                self._note_switch(change, Decision(change.to_k, "candidate tiers changed"))
         if "policy" in user_config:
             config = parse_policy_config(user_config["policy"])
             self.loop.replace_policy(build_policy(config, self.pool.candidates))
@@ -225,7 +229,7 @@ class EngineReplica:
             if config.name == "static":  # apply at once rather than at the next decision
                 change = await self.pool.switch(self.loop.policy.k)
                 if change is not None:
-                    self.metrics.record_switch(change)
+                    self._note_switch(change, Decision(change.to_k, "reconfigured to static"))
         self._applied_override = user_config
         if publish and self._hub is not None:
             with contextlib.suppress(Exception):
