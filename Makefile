@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(if $(HAS_CUDA),gpu,cpu)
 export RAY_AUTH_MODE ?= disabled
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: install serve test lint bench bench-engine models clean
+.PHONY: install serve test lint bench bench-engine bench-replay models clean
 
 install: $(STAMP)
 
@@ -38,6 +38,15 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
+
+# Simulator replays (seconds) and the vLLM engine benchmark (minutes); results and plots in
+# bench/results/. The HTTP benchmark needs a running app: see the README.
+bench: bench-replay bench-engine
+
+bench-replay: install
+	for preset in h20-llama8b-ngram cpu-demo; do for workload in transition sweep; do \
+		$(BIN)/python -m bench.policy_replay --preset $$preset --workload $$workload || exit 1; \
+	done; done
 
 bench-engine: install
 	$(BIN)/python -m bench.engine_bench --markdown bench/results/engine_bench.md

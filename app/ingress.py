@@ -304,5 +304,6 @@ class Ingress:
                 parse_policy_config(user_config["policy"])
         except ValueError as error:
             raise APIError(400, str(error)) from error
+        user_config["issued_at"] = time.time()  # orders run-time changes fleet-wide
         await self.engine.broadcast("reconfigure", user_config).results_async()
         return {"replicas": await self.engine.broadcast("stats").results_async()}

@@ -30,6 +30,7 @@ class ClusterState:
         self._accepted: dict[str, list[float]] = {}
         self._drafted: dict[str, list[float]] = {}
         self.policy_override: dict[str, Any] | None = None
+        self._override_changed_at = 0.0
 
     def push(self, replica_id: str, stats: dict[str, Any], now: float | None = None
              ) -> dict[str, Any]:
@@ -88,6 +89,11 @@ class ClusterState:
             "policy_override": self.policy_override,
         }
 
+    def set_override(self, user_config: dict[str, Any] | None, at: float) -> None:
+        """Newest wins: every replica reports the same change, in any order."""
+        if at >= self._override_changed_at:
+            self.policy_override, self._override_changed_at = user_config, at
+
     def snapshot(self) -> dict[str, Any]:
         return {"replicas": dict(self.replicas), "acceptance_prior": self.acceptance_prior(),
                 "policy_override": self.policy_override}
@@ -105,7 +111,11 @@ class TelemetryHub:
 
     def set_policy_override(self, user_config: dict[str, Any]) -> None:
         """Remember a fleet-wide reconfiguration so replicas started later apply it too."""
-        self.state.policy_override = user_config
+        self.state.set_override(user_config, user_config["issued_at"])
+
+    def clear_policy_override(self, at: float) -> None:
+        """A redeployed user_config supersedes earlier run-time changes."""
+        self.state.set_override(None, at)
 
     def snapshot(self) -> dict[str, Any]:
         self.state.expire(time.monotonic())

@@ -68,7 +68,9 @@ class EngineReplica:
         self._hub_call: Any = None
         # Loaded now: importing transformers inside a request would stall this event loop.
         self._tokenizer = await asyncio.to_thread(_load_tokenizer, spec.model)
-        self._applied_override: dict[str, Any] | None = None
+        # Run-time (admin) changes carry `issued_at`; the newest one applied so far.
+        self._applied_issued_at = 0.0
+        self._serve_configs_seen = 0
         self._request_class: dict[str, str] = {}
         self._class_acceptance: dict[str, float] = {}
         self._control = asyncio.create_task(self._control_forever())
@@ -206,16 +208,39 @@ class EngineReplica:
             acceptance_prior=tuple(view["acceptance_prior"]),
             peer_tiers=tuple(view["peer_tiers"]))
         override = view.get("policy_override")
-        if override and override != self._applied_override:
+        if override and override["issued_at"] > self._applied_issued_at:
             # A fleet-wide change made while this replica was away (or before it started).
-            await self.reconfigure(override, publish=False)
+            await self._apply_config(override)
+            self._applied_issued_at = override["issued_at"]
 
     # ---- Serve hooks --------------------------------------------------------------------------
 
-    async def reconfigure(self, user_config: dict[str, Any], publish: bool = True) -> None:
-        """Change policy and/or candidate tiers at run time: no restart, no engine rebuild."""
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Change policy and/or candidate tiers at run time: no restart, no engine rebuild.
+
+        Called by Serve with the deployment's `user_config` (at start and on every redeploy)
+        and by the ingress's admin route (a broadcast carrying `issued_at`). Admin changes go
+        to the hub, so replicas started later apply them too; a redeployed user_config
+        supersedes them (the hub forgets the override).
+        """
         if not user_config:
             return
+        await self._apply_config(user_config)
+        issued_at = user_config.get("issued_at")
+        if issued_at is not None:
+            self._applied_issued_at = max(self._applied_issued_at, issued_at)
+            self._tell_hub("set_policy_override", user_config)
+        else:
+            if self._serve_configs_seen:  # a redeploy, not this replica's start-up config
+                self._tell_hub("clear_policy_override", time.time())
+            self._serve_configs_seen += 1
+
+    def _tell_hub(self, method: str, argument: Any) -> None:
+        if self._hub is not None:
+            with contextlib.suppress(Exception):  # best effort: the hub may be restarting
+                getattr(self._hub, method).remote(argument)
+
+    async def _apply_config(self, user_config: dict[str, Any]) -> None:
         if "candidates" in user_config:
             change = await self.pool.set_candidates(user_config["candidates"],
                                                     user_config.get("initial_k"))
@@ -230,10 +255,6 @@ class EngineReplica:
                 change = await self.pool.switch(self.loop.policy.k)
                 if change is not None:
                     self._note_switch(change, Decision(change.to_k, "reconfigured to static"))
-        self._applied_override = user_config
-        if publish and self._hub is not None:
-            with contextlib.suppress(Exception):
-                self._hub.set_policy_override.remote(user_config)
         logger.info("replica %s reconfigured: %s", self.replica_id, user_config)
 
     def _update_class_acceptance(self) -> None:

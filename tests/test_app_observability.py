@@ -70,7 +70,8 @@ def test_one_request_is_one_connected_trace_with_a_tier_switch_event(app_url, re
         done["response"] = httpx.post(
             f"{app_url}/v1/completions", timeout=60,
             headers={"traceparent": f"00-{trace_id}-{parent_id}-01"},
-            json={"model": "target", "prompt": "a b c", "max_tokens": 400, "temperature": 0})
+            # Sampled: the simulator accepts few drafts, so 600 tokens take ~5 s of steps.
+            json={"model": "target", "prompt": "a b c", "max_tokens": 600, "temperature": 0.8})
 
     thread = threading.Thread(target=long_request)
     thread.start()
@@ -89,7 +90,7 @@ def test_one_request_is_one_connected_trace_with_a_tier_switch_event(app_url, re
     assert replica.parent_span_id == ingress.span_id, "replica span is the ingress's child"
     attrs = attributes(replica)
     assert attrs["specserve.spec.k_start"] == 3 and attrs["specserve.spec.k_end"] == 7
-    assert attrs["gen_ai.usage.output_tokens"] == 400
+    assert attrs["gen_ai.usage.output_tokens"] == 600
     assert attrs["specserve.spec.accepted_tokens"] <= attrs["specserve.spec.draft_tokens"]
     assert attrs["specserve.spec.mean_acceptance_length"] >= 1
     assert attrs["specserve.request_id"]
@@ -127,3 +128,17 @@ def test_scraped_counters_agree_with_each_replicas_engine(app_url):
         for family in families.values():
             if family.name.startswith("specserve_spec_"):
                 assert all("replica" in s.labels for s in family.samples), family.name
+
+
+@pytest.mark.parametrize(("content", "status"), [
+    (b'{"model": "target", "prompt": "\xff\xfe"}', 400),            # invalid UTF-8
+    (b'{"model": "target", "prompt": "x", "max_tokens": "ten"}', 400),  # wrong type
+    (b'{"model": "target", "prompt": "x", "top_p": 1.5}', 400),
+    (b'{"prompt": "x"}', 400),                                       # missing field
+    (b'{"model": "target", "prompt": "' + b"x" * (2 << 20) + b'"}', 413),
+])
+def test_more_bad_input(app_url, content, status):
+    response = httpx.post(f"{app_url}/v1/completions", content=content, timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status
+    assert response.json()["error"]["type"]

@@ -77,3 +77,14 @@ def test_simulator_outputs_do_not_depend_on_k_and_control_loop_switches():
 
     outputs = [asyncio.run(run(k)) for k in (0, 3, 15)]
     assert len(outputs[0]) == 40 and outputs[0] == outputs[1] == outputs[2]
+
+
+def test_hub_keeps_the_newest_fleet_wide_change_whatever_the_arrival_order():
+    hub = ClusterState()
+    newer = {"policy": {"name": "static", "k": 7}, "issued_at": 20.0}
+    older = {"policy": {"name": "static", "k": 3}, "issued_at": 10.0}
+    hub.set_override(newer, newer["issued_at"])
+    hub.set_override(older, older["issued_at"])  # a late report of an older change
+    assert hub.view("any")["policy_override"] == newer
+    hub.set_override(None, 30.0)  # a redeployed user_config supersedes both
+    assert hub.view("any")["policy_override"] is None
