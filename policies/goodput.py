@@ -27,9 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policies.signals import Decision, Signals, StepCost
 
-# Acceptance assumed before any measurement or cluster prior: a modest, decaying guess.
+# Acceptance assumed at the first position before any measurement or cluster prior.
 DEFAULT_PRIOR_FIRST = 0.5
-DEFAULT_PRIOR_RATIO = 0.7
 
 
 class GoodputConfig(BaseModel):
@@ -41,7 +40,7 @@ class GoodputConfig(BaseModel):
     """A new K must beat the current one's score by this share."""
     min_dwell_steps: int = Field(16, ge=0)
     """Engine steps to stay on a tier after switching."""
-    acceptance_decay: float = Field(0.9, gt=0, le=1)
+    acceptance_decay: float = Field(0.7, gt=0, le=1)
     """Per-decision decay of the per-position acceptance windows."""
     prior_strength: float = Field(4.0, ge=0)
     """The prior counts as this many drafts at every position."""
@@ -142,11 +141,16 @@ class AcceptanceWindow:
 
 
 def _extrapolate(rates: list[float]) -> float:
+    """The next position's p[k], continuing the last conditional acceptance rate.
+
+    With one known position the conditional rate is p[0] itself: the usual i.i.d. model
+    p[k] = a^(k+1) (SmartSpec, the DSDE paper's baselines).
+    """
     if not rates:
         return DEFAULT_PRIOR_FIRST
-    if len(rates) == 1 or rates[-2] <= 0:
-        return rates[-1] * DEFAULT_PRIOR_RATIO
-    return rates[-1] * min(1.0, rates[-1] / rates[-2])
+    conditional = rates[0] if len(rates) == 1 else (
+        rates[-1] / rates[-2] if rates[-2] > 0 else 0.0)
+    return rates[-1] * min(1.0, conditional)
 
 
 class GoodputPolicy:
