@@ -46,8 +46,9 @@ class GoodputConfig(BaseModel):
     """The prior counts as this many drafts at every position."""
     probe_interval_steps: int = Field(256, ge=1)
     """At K=0, measure the smallest positive tier again after this many engine steps."""
-    cost_decay: float = Field(0.9, gt=0, le=1)
-    """Per-observation decay of a measured step cost (the EWMA keeps 1 - decay of news)."""
+    cost_decay: float = Field(0.98, gt=0, le=1)
+    """Per-observation decay of a measured step cost (the EWMA takes 1 - decay of each new
+    step): slow, because step wall times on a shared machine jitter by tens of percent."""
     profile: list[tuple[int, int, float]] = Field(default_factory=list)
     """Seed step costs: (batch, K, seconds) rows, e.g. from `bench.engine_bench`."""
 
