@@ -3,12 +3,6 @@
 `args` (the config file's `args`) are validated by `AppArgs`; the result is the ingress bound
 to the engine-replica deployment, which carries the tier-aware request router and the
 telemetry hub as a deployment-scoped actor.
-
-Policy, candidates and initial K go into the replicas' `user_config`, everything else into their
-constructor arguments: Serve reconfigures running replicas when only the user_config changed
-and replaces them otherwise. The engine is prepared for the candidates given at start-up
-(`engine.tiers`, filled from `candidates` unless set); a run-time candidate list may differ
-within the engine's kmax.
 """
 
 from __future__ import annotations
@@ -63,25 +57,11 @@ class AppArgs(BaseModel):
         return self
 
 
-# Engine settings that do not depend on the replica; the vLLM adapter adds the per-rank core
-# binding itself. Offline: the models are local files.
-STATIC_ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                     "VLLM_HOST_IP": "127.0.0.1"}
-
-
 def _replica_env(args: AppArgs) -> dict[str, str]:
     passthrough = {key: value for key, value in os.environ.items()
                    if key.startswith(("OTEL_", "VLLM_", "SPECSERVE_", "HF_"))}
     # The engine-core process of vLLM imports `replicas.engines.vllm_hooks` by name.
-    return {**STATIC_ENGINE_ENV, **passthrough, "PYTHONPATH": str(REPO_ROOT), **args.env}
-
-
-def user_config(args: AppArgs) -> dict[str, Any]:
-    """What `reconfigure` applies at run time (see the module docstring)."""
-    config: dict[str, Any] = {"policy": args.policy, "candidates": args.candidates}
-    if args.initial_k is not None:
-        config["initial_k"] = args.initial_k
-    return config
+    return {**passthrough, "PYTHONPATH": str(REPO_ROOT), **args.env}
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:
@@ -99,7 +79,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
             request_routing_stats_period_s=args.telemetry_period_s,
             request_routing_stats_timeout_s=max(0.5, args.telemetry_period_s)),
         deployment_actors=[DeploymentActorConfig(name=HUB_ACTOR, actor_class=TelemetryHub)],
-        user_config=user_config(args),
+        user_config={"policy": args.policy, "candidates": args.candidates},
         health_check_period_s=5,
         graceful_shutdown_timeout_s=10,
     )
@@ -107,9 +87,9 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
                                max_ongoing_requests=args.ingress_max_ongoing_requests,
                                ray_actor_options={"num_cpus": 0, "runtime_env": {
                                    "env_vars": _replica_env(args)}})
-    engine = args.engine.model_copy(update={"tiers": args.engine.tiers or tuple(args.candidates)})
     return ingress.bind(
-        engine_replica.bind(engine=engine.model_dump(),
+        engine_replica.bind(engine=args.engine.model_dump(), candidates=args.candidates,
+                            policy=args.policy, initial_k=args.initial_k,
                             decide_every_steps=args.decide_every_steps,
                             telemetry_period_s=args.telemetry_period_s),
         model_name=args.engine.name, api_key=args.api_key)

@@ -4,9 +4,7 @@ One instance per Serve replica. Requests stream through `generate`; a background
 engine steps every `TICK_S`, feeds the control loop (which may switch tier), records metrics,
 and every telemetry period pushes stats to the telemetry hub and takes back the cluster view.
 `reconfigure` (Serve's user_config, or a broadcast from the ingress's admin route) swaps the
-policy and the candidate tiers without touching the engine. Policy and candidates live only in
-the user_config, never in the constructor arguments, so redeploying the application with a new
-policy reconfigures the running replicas instead of replacing them.
+policy and the candidate tiers without touching the engine.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 TICK_S = 0.02
 HUB_ACTOR = "telemetry_hub"
-FIRST_VIEW_TIMEOUT_S = 1.0
 
 
 def _load_tokenizer(model: str) -> Any:
@@ -44,24 +41,22 @@ def _load_tokenizer(model: str) -> Any:
 
 
 class EngineReplica:
-    async def __init__(self, engine: dict[str, Any], decide_every_steps: int = 4,
-                       telemetry_period_s: float = 0.5):
+    async def __init__(self, engine: dict[str, Any], candidates: list[int],
+                       policy: dict[str, Any], initial_k: int | None = None,
+                       decide_every_steps: int = 4, telemetry_period_s: float = 0.5):
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        rank = getattr(context.rank, "rank", context.rank) or 0  # an object since ray 2.60
-        spec = EngineSpec(**engine)
+        rank = getattr(context.rank, "rank", context.rank) or 0
+        spec = EngineSpec(**{**engine, "tiers": tuple(candidates)})
         self.model_name = spec.name
         self.engine = build_engine(spec, replica_rank=int(rank))
         await self.engine.start()
-        self.pool = TierPool(self.engine, spec.tiers or (self.engine.kmax,))
+        self.pool = TierPool(self.engine, candidates, initial_k)
         await self.pool.apply_initial()
-        # Serve calls `reconfigure(user_config)` before the replica takes any request; until
-        # then the replica holds its start-up tier.
-        holding = {"name": "static", "k": self.pool.active_k}
-        self.loop = ControlLoop(self.engine, self.pool,
-                                build_policy(holding, self.pool.candidates), decide_every_steps,
+        self.loop = ControlLoop(self.engine, self.pool, build_policy(policy, self.pool.candidates),
+                                decide_every_steps,
                                 getattr(self.engine, "request_acceptance", None))
-        self.policy_config = parse_policy_config(holding).model_dump()
+        self.policy_config = parse_policy_config(policy).model_dump()
         tracing.configure_tracing("specserve-replica")
         self.metrics = ReplicaMetrics(self.replica_id, self.pool.candidates)
         self.active_spans = tracing.ActiveSpans()
@@ -71,8 +66,6 @@ class EngineReplica:
         self._window = ([0] * self.engine.kmax, [0] * self.engine.kmax)
         self._hub: Any = None
         self._hub_call: Any = None
-        self._hub_lock = asyncio.Lock()
-        self.max_routed = 0
         # Loaded now: importing transformers inside a request would stall this event loop.
         self._tokenizer = await asyncio.to_thread(_load_tokenizer, spec.model)
         # Run-time (admin) changes carry `issued_at`; the newest one applied so far.
@@ -185,10 +178,6 @@ class EngineReplica:
 
     async def _exchange_with_hub(self) -> None:
         """Push stats, read the cluster view; never waits on a slow or missing hub."""
-        async with self._hub_lock:  # the control task and start-up both exchange
-            await self._exchange_unlocked()
-
-    async def _exchange_unlocked(self) -> None:
         if self._hub_call is not None:
             done, _ = await asyncio.wait([self._hub_call], timeout=0)
             if not done:
@@ -201,26 +190,17 @@ class EngineReplica:
             if view is not None:
                 await self._apply_view(view)
         if self._hub is None:
-            try:  # a blocking name lookup: keep it off this event loop
-                self._hub = await asyncio.to_thread(serve.get_deployment_actor, HUB_ACTOR)
+            try:
+                self._hub = serve.get_deployment_actor(HUB_ACTOR)
             except Exception:
                 return
         accepted, drafted = self._window
         self._window = ([0] * len(accepted), [0] * len(drafted))
-        stats = {key: value for key, value in self.record_routing_stats().items()
-                 if key != "hub"}
         self._hub_call = asyncio.ensure_future(self._hub.push.remote(
-            self.replica_id, {**stats, "window_accepted": accepted, "window_drafted": drafted}))
-
-    async def _first_view(self) -> None:
-        """At start-up: one bounded exchange, so the policy starts from the cluster's prior."""
-        await self._exchange_with_hub()
-        if self._hub_call is not None:
-            await asyncio.wait([self._hub_call], timeout=FIRST_VIEW_TIMEOUT_S)
-            await self._exchange_with_hub()  # applies the view if it arrived
+            self.replica_id, {**self.record_routing_stats(), "window_accepted": accepted,
+                              "window_drafted": drafted}))
 
     async def _apply_view(self, view: dict[str, Any]) -> None:
-        self.max_routed = max(self.max_routed, view.get("routed", 0))
         counters = self.engine.counters()
         self.cluster = ClusterView(
             effective_concurrency=max(view["effective_concurrency"], self.ongoing,
@@ -253,8 +233,6 @@ class EngineReplica:
         else:
             if self._serve_configs_seen:  # a redeploy, not this replica's start-up config
                 self._tell_hub("clear_policy_override", time.time())
-            else:  # start-up: take the cluster's prior and any newer fleet-wide change
-                await self._first_view()
             self._serve_configs_seen += 1
 
     def _tell_hub(self, method: str, argument: Any) -> None:
@@ -298,7 +276,6 @@ class EngineReplica:
         counters = self.engine.counters()
         return {"running": counters.running, "waiting": counters.waiting,
                 "ongoing": self.ongoing, "active_k": self.pool.active_k,
-                "hub": self._hub,  # routers report what they routed to it
                 "effective": self._effective_concurrency(),
                 "class_acceptance": dict(self._class_acceptance),
                 "acceptance_rate": (counters.accepted_tokens / counters.draft_tokens
@@ -311,7 +288,6 @@ class EngineReplica:
                 "switch_count": self.pool.switch_count, "policy": self.policy_config,
                 "max_effective_concurrency": self.loop.stats.max_effective_concurrency,
                 "max_local_batch": self.loop.stats.max_local_batch,
-                "max_routed": self.max_routed,
                 "cluster_view": self.cluster is not None,
                 "counters": {key: value for key, value in counters.__dict__.items()
                              if not isinstance(value, list)}}
