@@ -57,11 +57,17 @@ class AppArgs(BaseModel):
         return self
 
 
+# Engine settings that do not depend on the replica; the vLLM adapter adds the per-rank core
+# binding itself. Offline: the models are local files.
+STATIC_ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                     "VLLM_HOST_IP": "127.0.0.1"}
+
+
 def _replica_env(args: AppArgs) -> dict[str, str]:
     passthrough = {key: value for key, value in os.environ.items()
                    if key.startswith(("OTEL_", "VLLM_", "SPECSERVE_", "HF_"))}
     # The engine-core process of vLLM imports `replicas.engines.vllm_hooks` by name.
-    return {**passthrough, "PYTHONPATH": str(REPO_ROOT), **args.env}
+    return {**STATIC_ENGINE_ENV, **passthrough, "PYTHONPATH": str(REPO_ROOT), **args.env}
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:

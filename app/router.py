@@ -9,12 +9,23 @@ Ranking (`rank_replicas`, pure, also used by the cluster simulation):
    few goes to the shallowest, so each replica's policy sees a more uniform stream.
 
 The request class comes with the request (`payload["request_class"]`, set by the ingress:
-`greedy` or `sampled`); its expected acceptance is learned from the replicas' reported
-per-class acceptance and falls back to greedy = high, sampled = low.
+`greedy` (temperature 0) or `sampled`); its expected acceptance is learned from the replicas'
+reported per-class acceptance and falls back to greedy = high, sampled = low.
+
+The router also tells the telemetry hub how many requests it has in flight to each replica
+(`RoutedReporter`): fire-and-forget actor calls, at most one per `REPORT_S`, refreshed while
+any are in flight, so the hub's effective concurrency counts what the routers sent. The hub's
+handle comes with the replicas' routing stats. Serve counts a request as routed once the replica
+accepted it (rejection protocol), so the hub's routed-minus-in-handler difference is the
+in-transit window and completions not yet seen by the replica.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +34,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 HIGH_ACCEPTANCE = 0.5
 DEFAULT_CLASS_ACCEPTANCE = {"greedy": 0.8, "sampled": 0.1}
+REPORT_S = 0.1
+# Re-report unchanged non-zero counts this often: the hub forgets silent routers after 3 s.
+REFRESH_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,48 @@ def rank_replicas(replicas: list[ReplicaLoad], acceptance: float,
     return [best, [r.replica_id for r in rest]] if rest else [best]
 
 
+class RoutedReporter:
+    """Sends a router's in-flight counts to the hub without ever waiting for it."""
+
+    def __init__(self, in_flight: dict[ReplicaID, int]):
+        self.router_id = uuid.uuid4().hex
+        self.hub: Any = None
+        self._in_flight = in_flight
+        self._last_sent = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
+
+    def changed(self) -> None:
+        """Counts changed: send now, or as soon as the rate limit allows."""
+        if self.hub is not None:
+            self._schedule(REPORT_S - (time.monotonic() - self._last_sent))
+
+    def _schedule(self, delay: float) -> None:
+        due = time.monotonic() + delay
+        if self._timer is not None:
+            if self._due <= due:
+                return  # an earlier report is already planned
+            self._timer.cancel()
+            self._timer = None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop in this thread: report now rather than never
+            delay = 0
+        if delay <= 0:
+            self._send()
+        else:
+            self._timer, self._due = loop.call_later(delay, self._send), due
+
+    def _send(self) -> None:
+        self._timer = None
+        self._last_sent = time.monotonic()
+        counts = {rid.unique_id: n for rid, n in self._in_flight.items() if n}
+        with contextlib.suppress(Exception):  # the hub may be restarting; next report retries
+            self.hub.report_routed.remote(self.router_id, counts)  # result never awaited
+        if counts:
+            self._schedule(REFRESH_S)
+
+
 class TierAwareRouter(RequestRouter):
     """Ray Serve request router for engine replicas (alpha API, ray 2.60)."""
 
@@ -62,6 +118,7 @@ class TierAwareRouter(RequestRouter):
         self.load_slack = load_slack
         self.in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
         self._request_replica: dict[str, ReplicaID] = {}
+        self.reporter = RoutedReporter(self.in_flight)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -71,6 +128,7 @@ class TierAwareRouter(RequestRouter):
         reports = []
         for replica in candidate_replicas:
             stats = replica.routing_stats or {}
+            self.reporter.hub = stats.get("hub") or self.reporter.hub
             own = self.in_flight.get(replica.replica_id, 0)
             loads.append(ReplicaLoad(replica.replica_id.unique_id,
                                      max(int(stats.get("effective", 0)), own),
@@ -84,10 +142,12 @@ class TierAwareRouter(RequestRouter):
                           result: Any) -> None:
         self.in_flight[replica_id] += 1
         self._request_replica[pending_request.metadata.internal_request_id] = replica_id
+        self.reporter.changed()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         if self._request_replica.pop(internal_request_id, None) is not None:
             self.in_flight[replica_id] = max(0, self.in_flight[replica_id] - 1)
+            self.reporter.changed()
 
 
 def _request_class(pending_request: PendingRequest | None) -> str:

@@ -3,7 +3,8 @@
 `ClusterState` is the logic (pure, used as is by the cluster simulation); `TelemetryHub` is the
 deployment-scoped Ray actor around it, created, health-checked and restarted by the Serve
 controller. Replicas push their stats every telemetry period and read their view in the same
-call; nothing on the request path waits on the hub, and a replica that cannot reach it keeps
+call; routers report how many requests they have in flight to each replica (fire-and-forget).
+Nothing on the request path waits on the hub, and a replica that cannot reach it keeps
 deciding on local signals.
 """
 
@@ -31,6 +32,18 @@ class ClusterState:
         self._drafted: dict[str, list[float]] = {}
         self.policy_override: dict[str, Any] | None = None
         self._override_changed_at = 0.0
+        # router id -> (when reported, {replica id: requests in flight from that router})
+        self._routed: dict[str, tuple[float, dict[str, int]]] = {}
+
+    def report_routed(self, router_id: str, in_flight: dict[str, int],
+                      now: float | None = None) -> None:
+        """One router's requests in flight per replica (its latest report replaces the last)."""
+        now = time.monotonic() if now is None else now
+        self._routed[router_id] = (now, dict(in_flight))
+
+    def routed(self, replica_id: str) -> int:
+        """Requests all routers have sent to the replica and not yet seen completed."""
+        return sum(counts.get(replica_id, 0) for _, counts in self._routed.values())
 
     def push(self, replica_id: str, stats: dict[str, Any], now: float | None = None
              ) -> dict[str, Any]:
@@ -63,6 +76,10 @@ class ClusterState:
         for rid in gone:
             for table in (self.replicas, self._seen_at, self._accepted, self._drafted):
                 table.pop(rid, None)
+        # A router that stopped reporting (its ingress went away) no longer counts.
+        for router_id in [r for r, (at, _) in self._routed.items()
+                          if now - at > self.stale_after_s]:
+            del self._routed[router_id]
         return gone
 
     def acceptance_prior(self) -> tuple[float, ...]:
@@ -79,10 +96,14 @@ class ClusterState:
 
     def view(self, replica_id: str) -> dict[str, Any]:
         mine = self.replicas.get(replica_id, {})
-        effective = max(mine.get("ongoing", 0),
-                        mine.get("running", 0) + mine.get("waiting", 0))
+        ongoing = mine.get("ongoing", 0)
+        # Requests in the replica's handler include those the engine has not admitted yet.
+        local = max(ongoing, mine.get("running", 0) + mine.get("waiting", 0))
+        # Routed but not in the handler yet: in transit, or held back at a full replica.
+        routed = self.routed(replica_id)
         return {
-            "effective_concurrency": effective,
+            "effective_concurrency": local + max(0, routed - ongoing),
+            "routed": routed,
             "acceptance_prior": self.acceptance_prior(),
             "peer_tiers": tuple(s.get("active_k", 0) for rid, s in self.replicas.items()
                                 if rid != replica_id),
@@ -96,7 +117,8 @@ class ClusterState:
 
     def snapshot(self) -> dict[str, Any]:
         return {"replicas": dict(self.replicas), "acceptance_prior": self.acceptance_prior(),
-                "policy_override": self.policy_override}
+                "policy_override": self.policy_override,
+                "routed": {rid: self.routed(rid) for rid in self.replicas}}
 
 
 @ray.remote(num_cpus=0)
@@ -108,6 +130,9 @@ class TelemetryHub:
 
     def push(self, replica_id: str, stats: dict[str, Any]) -> dict[str, Any]:
         return self.state.push(replica_id, stats)
+
+    def report_routed(self, router_id: str, in_flight: dict[str, int]) -> None:
+        self.state.report_routed(router_id, in_flight)
 
     def set_policy_override(self, user_config: dict[str, Any]) -> None:
         """Remember a fleet-wide reconfiguration so replicas started later apply it too."""

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 TICK_S = 0.02
 HUB_ACTOR = "telemetry_hub"
+FIRST_VIEW_TIMEOUT_S = 1.0
 
 
 def _load_tokenizer(model: str) -> Any:
@@ -46,7 +47,7 @@ class EngineReplica:
                        decide_every_steps: int = 4, telemetry_period_s: float = 0.5):
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        rank = getattr(context.rank, "rank", context.rank) or 0
+        rank = getattr(context.rank, "rank", context.rank) or 0  # an object since ray 2.60
         spec = EngineSpec(**{**engine, "tiers": tuple(candidates)})
         self.model_name = spec.name
         self.engine = build_engine(spec, replica_rank=int(rank))
@@ -66,6 +67,8 @@ class EngineReplica:
         self._window = ([0] * self.engine.kmax, [0] * self.engine.kmax)
         self._hub: Any = None
         self._hub_call: Any = None
+        self._hub_lock = asyncio.Lock()
+        self.max_routed = 0
         # Loaded now: importing transformers inside a request would stall this event loop.
         self._tokenizer = await asyncio.to_thread(_load_tokenizer, spec.model)
         # Run-time (admin) changes carry `issued_at`; the newest one applied so far.
@@ -178,6 +181,10 @@ class EngineReplica:
 
     async def _exchange_with_hub(self) -> None:
         """Push stats, read the cluster view; never waits on a slow or missing hub."""
+        async with self._hub_lock:  # the control task and start-up both exchange
+            await self._exchange_unlocked()
+
+    async def _exchange_unlocked(self) -> None:
         if self._hub_call is not None:
             done, _ = await asyncio.wait([self._hub_call], timeout=0)
             if not done:
@@ -190,17 +197,26 @@ class EngineReplica:
             if view is not None:
                 await self._apply_view(view)
         if self._hub is None:
-            try:
-                self._hub = serve.get_deployment_actor(HUB_ACTOR)
+            try:  # a blocking name lookup: keep it off this event loop
+                self._hub = await asyncio.to_thread(serve.get_deployment_actor, HUB_ACTOR)
             except Exception:
                 return
         accepted, drafted = self._window
         self._window = ([0] * len(accepted), [0] * len(drafted))
+        stats = {key: value for key, value in self.record_routing_stats().items()
+                 if key != "hub"}
         self._hub_call = asyncio.ensure_future(self._hub.push.remote(
-            self.replica_id, {**self.record_routing_stats(), "window_accepted": accepted,
-                              "window_drafted": drafted}))
+            self.replica_id, {**stats, "window_accepted": accepted, "window_drafted": drafted}))
+
+    async def _first_view(self) -> None:
+        """At start-up: one bounded exchange, so the policy starts from the cluster's prior."""
+        await self._exchange_with_hub()
+        if self._hub_call is not None:
+            await asyncio.wait([self._hub_call], timeout=FIRST_VIEW_TIMEOUT_S)
+            await self._exchange_with_hub()  # applies the view if it arrived
 
     async def _apply_view(self, view: dict[str, Any]) -> None:
+        self.max_routed = max(self.max_routed, view.get("routed", 0))
         counters = self.engine.counters()
         self.cluster = ClusterView(
             effective_concurrency=max(view["effective_concurrency"], self.ongoing,
@@ -233,6 +249,8 @@ class EngineReplica:
         else:
             if self._serve_configs_seen:  # a redeploy, not this replica's start-up config
                 self._tell_hub("clear_policy_override", time.time())
+            else:  # start-up: take the cluster's prior and any newer fleet-wide change
+                await self._first_view()
             self._serve_configs_seen += 1
 
     def _tell_hub(self, method: str, argument: Any) -> None:
@@ -276,6 +294,7 @@ class EngineReplica:
         counters = self.engine.counters()
         return {"running": counters.running, "waiting": counters.waiting,
                 "ongoing": self.ongoing, "active_k": self.pool.active_k,
+                "hub": self._hub,  # routers report what they routed to it
                 "effective": self._effective_concurrency(),
                 "class_acceptance": dict(self._class_acceptance),
                 "acceptance_rate": (counters.accepted_tokens / counters.draft_tokens
@@ -288,6 +307,7 @@ class EngineReplica:
                 "switch_count": self.pool.switch_count, "policy": self.policy_config,
                 "max_effective_concurrency": self.loop.stats.max_effective_concurrency,
                 "max_local_batch": self.loop.stats.max_local_batch,
+                "max_routed": self.max_routed,
                 "cluster_view": self.cluster is not None,
                 "counters": {key: value for key, value in counters.__dict__.items()
                              if not isinstance(value, list)}}

@@ -1,49 +1,61 @@
-"""End to end: the real application (Ray Serve, two vLLM replicas, router, hub) over HTTP.
+"""End to end: the real application (Ray Serve, two engine replicas, router, hub) over HTTP.
 
-Talks to it with the official `openai` client. Greedy outputs are compared with the vLLM
-engine run alone (no Ray, no speculation) in this process before the app starts.
+Every test runs twice: on the SIMULATOR engine (fast, no model) and on vLLM with the shipped
+demo models. The application is serve_config.yaml's, deployed from its config form as
+`serve run` does, with a test-sized engine. Talks to the app with the official `openai`
+client; greedy outputs are compared with the same engine built directly by `build_engine`, in
+this process, before Ray starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import ray
-from ray import serve
+import yaml
 
-from app.builder import build_app
 from bench.workloads import COPY_PROMPT, FREE_PROMPTS
 from replicas.engines.base import GenerationRequest
-from replicas.engines.spec import EngineSpec
-from replicas.engines.vllm_engine import VllmEngine
+from replicas.engines.factory import build_engine
+from replicas.engines.spec import DEMO_TARGET, REPO_ROOT, EngineSpec
+from tests.conftest import deploy_config
 
 MAX_TOKENS = 32
 PROMPTS = [COPY_PROMPT, FREE_PROMPTS[0], FREE_PROMPTS[3]]
-ENGINE = {"engine": "vllm", "drafter": "ngram", "kmax": 15, "enforce_eager": True,
-          "cpu_threads": 1, "max_num_seqs": 4}
+CHAT = [{"role": "user", "content": "def add(a, b):"}]
+CHAT_PROMPT = "### user\ndef add(a, b):\n### assistant\n"  # models/target/chat_template.jinja
+# Each engine admits 4 sequences at a time, so routed load beyond that waits in the replica.
+ENGINES = {
+    "sim": {"engine": "sim", "kmax": 15, "max_num_seqs": 4},
+    "vllm": {"engine": "vllm", "drafter": "ngram", "kmax": 15, "enforce_eager": True,
+             "cpu_threads": 1, "max_num_seqs": 4},
+}
+# Long enough that requests overlap with the hub's 0.5 s exchanges on either engine.
+LOAD_TOKENS = {"sim": 400, "vllm": 48}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def app_config(kind: str, **overrides: object) -> dict:
+    """serve_config.yaml's application with the test engine (goodput, 2 replicas, K 0..15)."""
+    app = yaml.safe_load((REPO_ROOT / "serve_config.yaml").read_text())["applications"][0]
+    app["args"]["engine"] = ENGINES[kind]
+    return {**app, **overrides}
 
 
-async def reference_outputs() -> dict[str, str]:
-    """Greedy text from the engine alone, speculation off."""
-    engine = VllmEngine(EngineSpec(**{**ENGINE, "drafter": "none", "cpu_threads": 2}))
+async def engine_alone(kind: str) -> dict[str, str]:
+    """Greedy text per prompt from the engine built directly, as the app builds it."""
+    engine = build_engine(EngineSpec(**ENGINES[kind]))
     await engine.start()
     try:
         outputs = {}
-        for prompt in PROMPTS:
+        for prompt in [*PROMPTS, CHAT_PROMPT]:
             text = ""
             async for chunk in engine.generate(GenerationRequest(
                     request_id=uuid.uuid4().hex, prompt=prompt, max_tokens=MAX_TOKENS,
@@ -55,23 +67,28 @@ async def reference_outputs() -> dict[str, str]:
         await engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict[str, str]:
-    return asyncio.run(reference_outputs())
+@pytest.fixture(scope="module", params=["sim", "vllm"])
+def kind(request) -> str:
+    if request.param == "vllm" and not (Path(DEMO_TARGET) / "config.json").exists():
+        pytest.skip("the demo models are not trained yet (models/target missing): "
+                    "run `make models`")
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def app_url(reference):
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False,
-             log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"engine": ENGINE, "num_replicas": 2, "policy": {"name": "goodput"},
-                         "telemetry_period_s": 0.5}), name="specserve", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+def reference(kind) -> dict[str, str]:
+    saved = dict(os.environ)  # the vLLM adapter sets per-rank core binding in os.environ
+    try:
+        return asyncio.run(engine_alone(kind))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def app_url(kind, reference, serve_url) -> Iterator[str]:
+    deploy_config(app_config(kind))
+    yield serve_url
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +100,20 @@ def replicas(app_url: str) -> list[dict]:
     return httpx.get(f"{app_url}/admin/replicas", timeout=30).json()["replicas"]
 
 
+def in_threads(count: int, call: Callable[[int], None]) -> list[threading.Thread]:
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 def test_completions_match_the_engine_alone(client, reference):
-    for prompt, expected in reference.items():
+    for prompt in PROMPTS:
         result = client.completions.create(model="target", prompt=prompt, max_tokens=MAX_TOKENS,
                                            temperature=0, extra_body={"ignore_eos": True})
-        assert result.choices[0].text == expected
+        assert result.choices[0].text == reference[prompt]
         assert result.usage.completion_tokens == MAX_TOKENS
         assert result.choices[0].finish_reason == "length"
-
-
-def test_streamed_completion_equals_the_whole(client, reference):
     stream = client.completions.create(
         model="target", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
@@ -101,61 +122,94 @@ def test_streamed_completion_equals_the_whole(client, reference):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
 
 
-def test_chat_streaming_and_not_agree(client):
-    messages = [{"role": "user", "content": "def add(a, b):"}]
-    whole = client.chat.completions.create(model="target", messages=messages, max_tokens=24,
-                                           temperature=0)
-    stream = client.chat.completions.create(
-        model="target", messages=messages, max_tokens=24, temperature=0, stream=True,
-        stream_options={"include_usage": True})
-    chunks = list(stream)
+def test_chat_applies_the_template_streaming_and_not(client, reference):
+    whole = client.chat.completions.create(model="target", messages=CHAT,
+                                           max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body={"ignore_eos": True})
     assert whole.choices[0].message.role == "assistant"
-    assert whole.choices[0].message.content
+    assert whole.choices[0].message.content == reference[CHAT_PROMPT]
+    chunks = list(client.chat.completions.create(
+        model="target", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
-        whole.choices[0].message.content
-    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        reference[CHAT_PROMPT]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == MAX_TOKENS
 
 
-def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(client, app_url):
+def test_models_and_health(app_url, client):
+    assert [m.id for m in client.models.list()] == ["target"]
+    assert httpx.get(f"{app_url}/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(
+        client, app_url, kind):
     before = {r["replica_id"]: r["counters"]["generated_tokens"] for r in replicas(app_url)}
 
     def one(i: int) -> None:
         client.completions.create(model="target", prompt=PROMPTS[i % len(PROMPTS)],
-                                  max_tokens=48, temperature=0)
+                                  max_tokens=LOAD_TOKENS[kind], temperature=0)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
+    for thread in in_threads(16, one):
         thread.join()
     after = replicas(app_url)
     assert len(after) == 2
     assert all(r["counters"]["generated_tokens"] > before.get(r["replica_id"], 0)
                for r in after), "both replicas must serve traffic"
-    # Each engine admits 4 sequences at a time; the policy's effective concurrency also counts
-    # the requests routed to the replica and still waiting, which the engine batch does not.
+    # The engine batch stops at 4; the policy's effective concurrency also counts what was
+    # routed to the replica and is still waiting, and the hub heard of it from the router.
     assert all(r["max_local_batch"] <= 4 for r in after)
     assert any(r["max_effective_concurrency"] > r["max_local_batch"] for r in after)
+    assert all(r["max_routed"] > 0 for r in after), "router reports reach every replica"
 
 
-def test_reconfigure_to_static_3_reaches_every_replica_within_2s(client, app_url):
+@pytest.mark.parametrize(("body", "status"), [
+    ({"model": "nope", "prompt": "x"}, 404),
+    ({"model": "target", "prompt": "x", "max_tokens": 0}, 400),
+    ({"model": "target", "prompt": "x", "temperature": -1}, 400),
+    ({"model": "target", "prompt": "x", "n": 2}, 400),
+    ({"model": "target", "prompt": ""}, 400),
+    ({"model": "target", "prompt": "x", "max_tokens": 5000}, 400),
+])
+def test_bad_input_gets_an_openai_error_and_harms_nothing(app_url, client, body, status):
+    response = httpx.post(f"{app_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and "param" in error and "code" in error
+    ok = client.completions.create(model="target", prompt="def f():", max_tokens=4,
+                                   extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 4
+
+
+def test_malformed_json_and_unknown_route(app_url):
+    response = httpx.post(f"{app_url}/v1/completions", content=b"{not json",
+                          headers={"content-type": "application/json"}, timeout=30)
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+    response = httpx.get(f"{app_url}/v1/nothing", timeout=30)
+    assert response.status_code == 404 and response.json()["error"]["type"]
+
+
+def test_redeployed_user_config_reaches_every_replica_within_2s(client, app_url, kind):
+    """Redeploy with only the replicas' user_config changed: the same replicas reconfigured,
+    no request failing."""
+    ids = {r["replica_id"] for r in replicas(app_url)}
     failures: list[BaseException] = []
 
-    def one() -> None:
+    def one(i: int) -> None:
         try:
-            client.completions.create(model="target", prompt=COPY_PROMPT, max_tokens=64,
-                                      temperature=0)
-        except Exception as error:  # any failure fails the test
+            result = client.completions.create(model="target", prompt=COPY_PROMPT,
+                                               max_tokens=LOAD_TOKENS[kind], temperature=0,
+                                               extra_body={"ignore_eos": True})
+            assert result.usage.completion_tokens == LOAD_TOKENS[kind]
+        except BaseException as error:  # any failure fails the test
             failures.append(error)
 
-    threads = [threading.Thread(target=one) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    time.sleep(0.5)
+    threads = in_threads(6, one)
+    time.sleep(0.5)  # the requests are in flight
     started = time.perf_counter()
-    response = httpx.post(f"{app_url}/admin/policy",
-                          json={"policy": {"name": "static", "k": 3}}, timeout=30)
-    assert response.status_code == 200
+    candidates = app_config(kind)["args"]["candidates"]
+    deploy_config(app_config(kind, deployments=[{"name": "EngineReplica", "user_config": {
+        "policy": {"name": "static", "k": 3}, "candidates": candidates}}]))
     while True:
         state = replicas(app_url)
         if all(r["active_k"] == 3 and r["policy"]["name"] == "static" for r in state):
@@ -166,28 +220,4 @@ def test_reconfigure_to_static_3_reaches_every_replica_within_2s(client, app_url
     for thread in threads:
         thread.join()
     assert not failures
-
-
-@pytest.mark.parametrize(("body", "status"), [
-    ({"model": "nope", "prompt": "x"}, 404),
-    ({"model": "target", "prompt": "x", "max_tokens": 0}, 400),
-    ({"model": "target", "prompt": "x", "temperature": -1}, 400),
-    ({"model": "target", "prompt": "x", "n": 2}, 400),
-    ({"model": "target", "prompt": ""}, 400),
-    ({"model": "target", "prompt": "x " * 4000, "max_tokens": 8}, 400),
-    ({"model": "target", "prompt": "x", "max_tokens": 5000}, 400),
-])
-def test_bad_input_gets_an_openai_error_and_harms_nothing(app_url, client, body, status):
-    response = httpx.post(f"{app_url}/v1/completions", json=body, timeout=60)
-    assert response.status_code == status
-    error = response.json()["error"]
-    assert error["message"] and error["type"]
-    ok = client.completions.create(model="target", prompt="def f():", max_tokens=4)
-    assert ok.usage.completion_tokens == 4
-
-
-def test_malformed_json_and_unknown_route(app_url):
-    response = httpx.post(f"{app_url}/v1/completions", content=b"{not json",
-                          headers={"content-type": "application/json"}, timeout=30)
-    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
-    assert httpx.get(f"{app_url}/v1/nothing", timeout=30).status_code == 404
+    assert {r["replica_id"] for r in state} == ids, "reconfigured, not replaced"

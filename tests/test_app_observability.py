@@ -14,13 +14,11 @@ import uuid
 
 import httpx
 import pytest
-import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from app.builder import build_app
 from tests.otlp_receiver import Receiver
-from tests.test_app_e2e import free_port
 
 
 @pytest.fixture(scope="module")
@@ -33,23 +31,22 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def app_url(receiver):
+def otel_env(receiver):
+    """Set before the cluster starts: the builder passes OTEL_* on to the replicas."""
     saved = dict(os.environ)
     os.environ.update({"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.server_port}",
-                       "OTEL_BSP_SCHEDULE_DELAY": "200", "RAY_AUTH_MODE": "disabled",
-                       "NO_PROXY": "127.0.0.1"})
-    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False,
-             log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+                       "OTEL_BSP_SCHEDULE_DELAY": "200"})
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def app_url(otel_env, serve_url):
     serve.run(build_app({"engine": {"engine": "sim", "kmax": 15, "sim_time_scale": 1.0},
                          "num_replicas": 2, "policy": {"name": "static", "k": 3}}),
               name="specserve", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-    os.environ.clear()
-    os.environ.update(saved)
+    yield serve_url
 
 
 def spans_of(receiver: Receiver, trace_id: bytes) -> list:
