@@ -128,10 +128,7 @@ def extract_context(carrier: Mapping[str, str] | None) -> Context | None:
 def start_ingress_span(route: str, headers: Mapping[str, str] | None, *, request_id: str,
                        model: str | None = None, prompt: str | None = None) -> Span:
     """The HTTP request's span (kind SERVER), child of an incoming `traceparent` if any."""
-    tracer = _State.tracer
-    if tracer is None:
-        return INVALID_SPAN
-    span = tracer.start_span(route, context=extract_context(headers), kind=SpanKind.SERVER)
+    span = _start_server_span(route, headers)
     if span.is_recording():
         _set_common(span, request_id, model, prompt)
     return span
@@ -142,16 +139,21 @@ def start_replica_span(carrier: Mapping[str, str] | None, *, request_id: str, re
                        prompt: str | None = None,
                        name: str = "specserve.replica.generate") -> Span:
     """The replica's span for one request, child of the ingress span carried in `carrier`."""
-    tracer = _State.tracer
-    if tracer is None:
-        return INVALID_SPAN
-    span = tracer.start_span(name, context=extract_context(carrier), kind=SpanKind.SERVER)
+    span = _start_server_span(name, carrier)
     if span.is_recording():
         _set_common(span, request_id, model, prompt)
         span.set_attribute("specserve.replica", replica_id)
         if k_start is not None:
             span.set_attribute("specserve.spec.k_start", k_start)
     return span
+
+
+def _start_server_span(name: str, carrier: Mapping[str, str] | None) -> Span:
+    """A SERVER span continuing the context in `carrier`; the no-op span when tracing is off."""
+    tracer = _State.tracer
+    if tracer is None:
+        return INVALID_SPAN
+    return tracer.start_span(name, context=extract_context(carrier), kind=SpanKind.SERVER)
 
 
 def _set_common(span: Span, request_id: str, model: str | None, prompt: str | None) -> None:

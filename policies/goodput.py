@@ -21,6 +21,7 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -75,37 +76,32 @@ class StepCostModel:
 
     def _at_batch(self, k: int, batch: int) -> float:
         points = self._points[k]
-        if batch in points:
-            return points[batch]
-        sizes = sorted(points)
-        lower = [b for b in sizes if b < batch]
-        upper = [b for b in sizes if b > batch]
-        if lower and upper:
-            b0, b1 = lower[-1], upper[0]
-        elif len(sizes) >= 2:
-            b0, b1 = (sizes[-2], sizes[-1]) if lower else (sizes[0], sizes[1])
-        else:
-            return points[sizes[0]]  # one batch size seen: assume flat (memory-bound)
-        t0, t1 = points[b0], points[b1]
-        return max(1e-6, t0 + (t1 - t0) * (batch - b0) / (b1 - b0))
+        return _interpolate(batch, sorted(points), points.__getitem__)
 
     def predict(self, batch: int, k: int) -> float | None:
+        """Seconds of a step of `batch` sequences at depth `k`; an unmeasured K is
+        interpolated (or extrapolated) linearly in K between measured neighbours."""
         known = self.known()
         if not known:
             return None
-        if k in self._points:
-            return self._at_batch(k, batch)
-        # Unmeasured K: interpolate (or extrapolate) linearly in K between measured neighbours.
-        lower = [j for j in known if j < k]
-        upper = [j for j in known if j > k]
-        if lower and upper:
-            k0, k1 = lower[-1], upper[0]
-        elif len(known) >= 2:
-            k0, k1 = (known[-2], known[-1]) if lower else (known[0], known[1])
-        else:
-            return self._at_batch(known[0], batch)
-        t0, t1 = self._at_batch(k0, batch), self._at_batch(k1, batch)
-        return max(1e-6, t0 + (t1 - t0) * (k - k0) / (k1 - k0))
+        return _interpolate(k, known, lambda j: self._at_batch(j, batch))
+
+
+def _interpolate(x: int, known: list[int], value_at: Callable[[int], float]) -> float:
+    """Piecewise-linear value at `x` from the sorted points `known`, extrapolating from the
+    two nearest at either end; a single point means flat (memory-bound: cost does not grow)."""
+    if x in known:
+        return value_at(x)
+    lower = [p for p in known if p < x]
+    upper = [p for p in known if p > x]
+    if lower and upper:
+        x0, x1 = lower[-1], upper[0]
+    elif len(known) >= 2:
+        x0, x1 = (known[-2], known[-1]) if lower else (known[0], known[1])
+    else:
+        return value_at(known[0])
+    y0, y1 = value_at(x0), value_at(x1)
+    return max(1e-6, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
 class AcceptanceWindow:

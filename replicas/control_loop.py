@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from policies.base import Policy
 from policies.signals import ClusterView, Decision, RequestAcceptance, Signals, StepCost
-from replicas.engines.base import Engine, StepRecord
+from replicas.engines.base import Engine, StepRecord, add_per_position
 from replicas.tier_pool import TierPool, TierSwitch
 
 
@@ -25,10 +25,8 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
     width = max(candidates)
     accepted, drafted = [0] * width, [0] * width
     for step in steps:
-        for pos, count in enumerate(step.accepted_per_pos[:width]):
-            accepted[pos] += count
-        for pos, count in enumerate(step.drafted_per_pos[:width]):
-            drafted[pos] += count
+        add_per_position(accepted, step.accepted_per_pos)
+        add_per_position(drafted, step.drafted_per_pos)
     last = steps[-1] if steps else None
     return Signals(
         candidates=candidates, current_k=current_k, steps=len(steps),

@@ -23,7 +23,7 @@ from observability.metrics import ReplicaMetrics
 from policies.registry import build_policy, parse_policy_config
 from policies.signals import ClusterView, Decision
 from replicas.control_loop import ControlLoop
-from replicas.engines.base import EngineInputError, GenerationRequest
+from replicas.engines.base import EngineInputError, GenerationRequest, add_per_position
 from replicas.engines.factory import build_engine
 from replicas.engines.spec import EngineSpec
 from replicas.tier_pool import TierPool, TierSwitch
@@ -158,10 +158,8 @@ class EngineReplica:
             self.metrics.record_steps(steps)
             accepted, drafted = self._window
             for step in steps:
-                for pos, count in enumerate(step.accepted_per_pos[:len(accepted)]):
-                    accepted[pos] += count
-                for pos, count in enumerate(step.drafted_per_pos[:len(drafted)]):
-                    drafted[pos] += count
+                add_per_position(accepted, step.accepted_per_pos)
+                add_per_position(drafted, step.drafted_per_pos)
         if decision is not None:
             self.metrics.record_decision_seconds(
                 self.loop.stats.decision_seconds_total / max(1, self.loop.stats.decisions))

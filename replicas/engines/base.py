@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 
@@ -77,6 +77,29 @@ class EngineCounters:
     running: int = 0
     waiting: int = 0
     k: int = 0
+
+    def add(self, step: StepRecord) -> None:
+        """Fold one engine step into the totals; running, waiting and K become the step's."""
+        self.steps += 1
+        self.drafts += step.drafts
+        self.draft_tokens += step.draft_tokens
+        self.accepted_tokens += step.accepted_tokens
+        self.generated_tokens += step.generated_tokens
+        self.sequence_steps += step.running
+        self.running, self.waiting, self.k = step.running, step.waiting, step.k
+        add_per_position(self.accepted_per_pos, step.accepted_per_pos)
+        add_per_position(self.drafted_per_pos, step.drafted_per_pos)
+
+    def snapshot(self, **live: int) -> EngineCounters:
+        """A copy the caller may keep (lists included), with live values (e.g. K) applied."""
+        return replace(self, accepted_per_pos=list(self.accepted_per_pos),
+                       drafted_per_pos=list(self.drafted_per_pos), **live)
+
+
+def add_per_position(totals: list[int], counts: Sequence[int]) -> None:
+    """Add per-position counts into `totals`, position by position, up to its length."""
+    for pos, count in enumerate(counts[:len(totals)]):
+        totals[pos] += count
 
 
 class Engine(Protocol):

@@ -94,16 +94,7 @@ class SglangEngine:
             record = json.loads(await self._socket.recv())
             step = step_from_verify(record, self.kmax)
             self._records.append(step)
-            totals = self._totals
-            totals.steps += 1
-            totals.drafts += step.drafts
-            totals.draft_tokens += step.draft_tokens
-            totals.accepted_tokens += step.accepted_tokens
-            totals.generated_tokens += step.generated_tokens
-            totals.sequence_steps += step.running
-            for pos in range(self.kmax):
-                totals.accepted_per_pos[pos] += step.accepted_per_pos[pos]
-                totals.drafted_per_pos[pos] += step.drafted_per_pos[pos]
+            self._totals.add(step)
 
     async def set_k(self, k: int) -> None:
         if not 0 <= k <= self.kmax:
@@ -146,10 +137,7 @@ class SglangEngine:
         return records
 
     def counters(self) -> EngineCounters:
-        totals = self._totals
-        return EngineCounters(**{**totals.__dict__, "k": self._k,
-                                 "accepted_per_pos": list(totals.accepted_per_pos),
-                                 "drafted_per_pos": list(totals.drafted_per_pos)})
+        return self._totals.snapshot(k=self._k)
 
     async def shutdown(self) -> None:
         if self._receiver is not None:

@@ -104,11 +104,8 @@ class SimulatedEngine:
         return records
 
     def counters(self) -> EngineCounters:
-        totals = self._totals
-        return EngineCounters(**{**totals.__dict__, "k": self.k,
-                                 "running": len(self._running), "waiting": len(self._waiting),
-                                 "accepted_per_pos": list(totals.accepted_per_pos),
-                                 "drafted_per_pos": list(totals.drafted_per_pos)})
+        return self._totals.snapshot(k=self.k, running=len(self._running),
+                                     waiting=len(self._waiting))
 
     def _validate(self, request: GenerationRequest) -> str:
         prompt = request.prompt if request.prompt is not None else " ".join(
@@ -189,14 +186,5 @@ class SimulatedEngine:
                             accepted_tokens=accepted_total, accepted_per_pos=tuple(accepted_pos),
                             drafted_per_pos=tuple(drafted_pos), generated_tokens=generated)
         self._records.append(record)
-        totals = self._totals
-        totals.steps += 1
-        totals.drafts += record.drafts
-        totals.draft_tokens += record.draft_tokens
-        totals.accepted_tokens += accepted_total
-        totals.generated_tokens += generated
-        totals.sequence_steps += len(batch)
-        for pos in range(self.kmax):
-            totals.accepted_per_pos[pos] += accepted_pos[pos]
-            totals.drafted_per_pos[pos] += drafted_pos[pos]
+        self._totals.add(record)
         return seconds

@@ -143,20 +143,7 @@ class _StepLog:
                           accepted_per_pos=accepted_pos, drafted_per_pos=drafted_pos,
                           generated_tokens=generated)
         self.records.append(step)
-        self._add_to_totals(step)
-
-    def _add_to_totals(self, step: StepRecord) -> None:
-        totals = self.totals
-        totals.steps += 1
-        totals.drafts += step.drafts
-        totals.draft_tokens += step.draft_tokens
-        totals.accepted_tokens += step.accepted_tokens
-        totals.generated_tokens += step.generated_tokens
-        totals.sequence_steps += step.running
-        totals.running, totals.waiting, totals.k = step.running, step.waiting, step.k
-        for pos in range(self.kmax):
-            totals.accepted_per_pos[pos] += step.accepted_per_pos[pos]
-            totals.drafted_per_pos[pos] += step.drafted_per_pos[pos]
+        self.totals.add(step)
 
 
 def _padded(values: list[int], length: int) -> tuple[int, ...]:
@@ -319,14 +306,7 @@ class VllmEngine:
         return records
 
     def counters(self) -> EngineCounters:
-        totals = self._steps.totals
-        return EngineCounters(
-            steps=totals.steps, drafts=totals.drafts, draft_tokens=totals.draft_tokens,
-            accepted_tokens=totals.accepted_tokens, generated_tokens=totals.generated_tokens,
-            sequence_steps=totals.sequence_steps,
-            accepted_per_pos=list(totals.accepted_per_pos),
-            drafted_per_pos=list(totals.drafted_per_pos),
-            running=totals.running, waiting=totals.waiting, k=self._steps.k)
+        return self._steps.totals.snapshot(k=self._steps.k)
 
     async def shutdown(self) -> None:
         if self._llm is not None:
