@@ -38,6 +38,8 @@ PUBLISHED_H20 = {"static1": (1093.0, 931.3, 1076.1, 1034.3, 1454.2),
                  "static3": (1640.0, 1306.0, 1276.1, 1913.6, 2728.9),
                  "static7": (1660.0, 1113.9, 1240.2, 2090.0, 4413.2),
                  "static15": (1301.3, 906.9, 865.7, 1578.8, 5458.2)}
+# Its mean acceptance lengths (we read them as the mean over the four phases).
+PUBLISHED_H20_ACCEPT_LEN = {"static1": 1.73, "static3": 2.88, "static7": 4.46, "static15": 6.36}
 STATIC = ("static1", "static3", "static7", "static15")
 ADAPTIVE = ("batch_table", "ema", "goodput", "stability")
 
@@ -138,7 +140,9 @@ def summarise(results: dict[str, ModeResult], phase_names: list[str]) -> dict[st
         modes[mode] = {"throughput": tokens / seconds, "accept_len": tokens / steps,
                        "switches": r.switches,
                        "phases": {n: r.phases[n].tokens / r.phases[n].seconds
-                                  for n in phase_names}}
+                                  for n in phase_names},
+                       "phase_accept_len": {n: r.phases[n].tokens / r.phases[n].sequence_steps
+                                            for n in phase_names}}
     best = {n: max(modes[m]["phases"][n] for m in STATIC if m in modes) for n in phase_names}
     # Phases carry equal token counts, so the oracle's overall rate is the harmonic mean.
     modes["oracle"] = {"throughput": len(best) / sum(1 / v for v in best.values()),
@@ -172,10 +176,13 @@ def report(modes: dict[str, Any], phase_names: list[str], decision_us: dict[str,
     if compare_published and phase_names == ["low_1", "high_1", "low_2", "high_2"]:
         parts.append(print_table(
             "REPLAY / PUBLISHED (H20 static table; within 10% overall, 15% per phase?)",
-            ["mode", "overall", *phase_names],
+            ["mode", "overall", *phase_names, "accept len (phase mean) / published"],
             [[m, *(f"{ours / theirs:.3f}" for ours, theirs in zip(
                 (modes[m]["throughput"], *(modes[m]["phases"][n] for n in phase_names)),
-                published, strict=True))] for m, published in PUBLISHED_H20.items()]))
+                published, strict=True)),
+              f"{statistics.mean(modes[m]['phase_accept_len'].values()):.2f} / "
+              f"{PUBLISHED_H20_ACCEPT_LEN[m]:.2f}"]
+             for m, published in PUBLISHED_H20.items()]))
     return "\n\n".join(parts)
 
 

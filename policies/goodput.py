@@ -39,7 +39,7 @@ class GoodputConfig(BaseModel):
     concurrency_source: Literal["local", "effective"] = "effective"
     switch_margin: float = Field(0.05, ge=0)
     """A new K must beat the current one's score by this share."""
-    min_dwell_steps: int = Field(16, ge=0)
+    min_dwell_steps: int = Field(8, ge=0)
     """Engine steps to stay on a tier after switching."""
     acceptance_decay: float = Field(0.7, gt=0, le=1)
     """Per-decision decay of the per-position acceptance windows."""

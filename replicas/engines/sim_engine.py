@@ -4,9 +4,9 @@ Not a model. It exists for policy studies, cluster-scale runs and fast applicati
 it says so: its name is "sim" and its output text is made-up tokens (" t123"). Each step runs
 every admitted request at the active K:
 
-- step time  t(B, K) = base + per_seq * B + per_token * B * (K + 1)   (preset constants)
-- acceptance: each request belongs to a class with a per-position acceptance probability;
-  its drafts are accepted position by position until the first miss (a geometric run).
+- step time  t(B, K) from the preset's cost model (`SimPreset.step_seconds`)
+- acceptance: each request belongs to a class (`sim_presets.Acceptance`): per step, a copy or
+  a free-text regime, then drafts accepted position by position until the first miss.
 
 Token ids depend only on the prompt and the position, so outputs are identical at every K,
 like greedy decoding on a real engine. Randomness (acceptance) is seeded per request.
@@ -28,7 +28,7 @@ from replicas.engines.base import (
     GenerationRequest,
     StepRecord,
 )
-from replicas.engines.sim_presets import PRESETS, SimPreset
+from replicas.engines.sim_presets import PRESETS, Acceptance, SimPreset
 from replicas.engines.spec import EngineSpec
 
 VOCAB = 4096
@@ -42,7 +42,7 @@ def token_at(prompt: str, position: int) -> int:
 @dataclass
 class _SimRequest:
     request: GenerationRequest
-    acceptance: float
+    acceptance: Acceptance
     rng: random.Random
     generated: int = 0
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -165,9 +165,7 @@ class SimulatedEngine:
         accepted_pos, drafted_pos = [0] * self.kmax, [0] * self.kmax
         accepted_total = generated = 0
         for entry in batch:
-            run = 0
-            while run < k and entry.rng.random() < entry.acceptance:
-                run += 1
+            run = entry.acceptance.accepted_run(entry.rng, k)
             for pos in range(k):
                 drafted_pos[pos] += 1
                 accepted_pos[pos] += pos < run
