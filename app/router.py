@@ -4,9 +4,12 @@ Ranking (`rank_replicas`, pure, also used by the cluster simulation):
 1. effective load: the replica's own count (running + waiting + in its handler, from its
    routing stats, pushed every stats period) or this router's requests in flight to it,
    whichever is larger (the router's count is fresh, the stats see other routers' traffic);
-2. among replicas within `load_slack` of the least loaded, tier fit: a request whose class
-   is expected to accept most drafts goes to the deepest active tier, one expected to accept
-   few goes to the shallowest, so each replica's policy sees a more uniform stream.
+2. among replicas within a slack of the least loaded (`load_slack` requests, or a share of
+   the least load when that is larger), acceptance fit: the replica whose recent traffic lands
+   drafts most like this request's class is expected to (first-draft acceptance, reported by
+   the replicas), then the tier: deepest for a class that accepts most drafts, shallowest for
+   one that accepts few. Similar requests gather on the same replicas, so each replica's
+   policy sees a uniform stream and can run the depth that suits it.
 
 The request class comes with the request (`payload["request_class"]`, set by the ingress:
 `greedy` (temperature 0) or `sampled`); its expected acceptance is learned from the replicas'
@@ -33,6 +36,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 HIGH_ACCEPTANCE = 0.5
+LOAD_SLACK_RATIO = 0.25
 DEFAULT_CLASS_ACCEPTANCE = {"greedy": 0.8, "sampled": 0.1}
 REPORT_S = 0.1
 # Re-report unchanged non-zero counts this often: the hub forgets silent routers after 3 s.
@@ -44,6 +48,8 @@ class ReplicaLoad:
     replica_id: str
     load: int
     active_k: int
+    acceptance: float | None = None
+    """The replica's recent first-draft acceptance (None before it has drafted)."""
 
 
 def expected_acceptance(request_class: str, reports: list[dict[str, float]]) -> float:
@@ -54,17 +60,26 @@ def expected_acceptance(request_class: str, reports: list[dict[str, float]]) -> 
     return DEFAULT_CLASS_ACCEPTANCE.get(request_class, HIGH_ACCEPTANCE)
 
 
-def rank_replicas(replicas: list[ReplicaLoad], acceptance: float,
-                  load_slack: int = 1) -> list[list[str]]:
-    """Ranks of replica ids, best first (see the module docstring)."""
+def rank_replicas(replicas: list[ReplicaLoad], acceptance: float, load_slack: int = 1,
+                  load_slack_ratio: float = LOAD_SLACK_RATIO) -> list[list[str]]:
+    """Ranks of replica ids, best first (see the module docstring). The slack is the larger
+    of `load_slack` requests and `load_slack_ratio` of the least load: at batch 30, one
+    request of difference is noise, and a slack that small would never let tier fit decide."""
     if not replicas:
         return []
     least = min(r.load for r in replicas)
-    near = [r for r in replicas if r.load <= least + load_slack]
+    slack = max(load_slack, int(load_slack_ratio * least))
+    near = [r for r in replicas if r.load <= least + slack]
     deep_first = acceptance >= HIGH_ACCEPTANCE
-    near.sort(key=lambda r: (r.load, -r.active_k if deep_first else r.active_k))
-    best_k = near[0].active_k
-    best = [r.replica_id for r in near if r.active_k == best_k and r.load == near[0].load]
+
+    def fit(r: ReplicaLoad) -> tuple[float, int, int]:
+        # Closest traffic first (a replica that has not drafted yet is a middling match),
+        # then the tier that suits the request, then load.
+        distance = abs(acceptance - r.acceptance) if r.acceptance is not None else 0.25
+        return round(distance, 2), -r.active_k if deep_first else r.active_k, r.load
+
+    near.sort(key=fit)
+    best = [r.replica_id for r in near if fit(r) == fit(near[0])]
     rest = sorted((r for r in replicas if r.replica_id not in best), key=lambda r: r.load)
     return [best, [r.replica_id for r in rest]] if rest else [best]
 
@@ -132,7 +147,8 @@ class TierAwareRouter(RequestRouter):
             own = self.in_flight.get(replica.replica_id, 0)
             loads.append(ReplicaLoad(replica.replica_id.unique_id,
                                      max(int(stats.get("effective", 0)), own),
-                                     int(stats.get("active_k", 0))))
+                                     int(stats.get("active_k", 0)),
+                                     stats.get("first_acceptance")))
             reports.append(stats.get("class_acceptance") or {})
         acceptance = expected_acceptance(_request_class(pending_request), reports)
         ranks = rank_replicas(loads, acceptance, self.load_slack)

@@ -88,7 +88,8 @@ async def replay(mode: str, preset: str, phases: list[Phase], max_tokens: int) -
     engine = SimulatedEngine(PRESETS[preset], kmax=max(CANDIDATES), max_num_seqs=256)
     pool = TierPool(engine, CANDIDATES, initial_k=3)
     await pool.apply_initial()
-    loop = ControlLoop(engine, pool, build_policy(policy_config(mode, preset), CANDIDATES))
+    loop = ControlLoop(engine, pool, build_policy(policy_config(mode, preset), CANDIDATES),
+                       max_batch=engine.max_num_seqs)
     result, clock, serial = ModeResult(), 0.0, 0
     for phase in phases:
         outcome = result.phases.setdefault(phase.name, PhaseResult())

@@ -11,9 +11,14 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
 - p[k] comes from per-position windows that count only drafts that reached position k, so the
   estimate stays unbiased when K changes; positions never drafted are filled from the cluster's
   acceptance prior, else extrapolated geometrically.
-- At K=0 nothing is drafted, so nothing would ever show that drafts started to land again: after
-  `probe_interval_steps` without speculation the policy runs the smallest positive tier for one
-  dwell period to measure (bounded exploration: at most two switches per interval).
+- Nothing measures positions deeper than the current K: at K=0 nothing shows that drafts
+  started to land again, and at a shallow K the geometric extrapolation undersells drafters
+  whose acceptance comes in runs (prompt lookup: a copied span lands whole). So after
+  `probe_interval_steps` on a tier whose next tier's positions have no fresh evidence, the
+  policy runs that next tier for one dwell period to measure (bounded exploration: at most two
+  switches per interval; nothing else switches during a dwell). A probe that finds nothing
+  doubles the interval (up to 8x), and none is needed where the cluster's acceptance prior
+  already covers those positions: replicas share what each one measured.
 - Step costs are measured on this replica every step (seeded by a profile table), not only
   profiled once, and interpolated piecewise in batch size so the regime knee is kept.
 - A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate.
@@ -46,7 +51,8 @@ class GoodputConfig(BaseModel):
     prior_strength: float = Field(4.0, ge=0)
     """The prior counts as this many drafts at every position."""
     probe_interval_steps: int = Field(256, ge=1)
-    """At K=0, measure the smallest positive tier again after this many engine steps."""
+    """After this many engine steps on a tier, measure the next deeper tier when its positions
+    have no fresh evidence (from K=0: the smallest positive tier)."""
     cost_decay: float = Field(0.98, gt=0, le=1)
     """Per-observation decay of a measured step cost (the EWMA takes 1 - decay of each new
     step): slow, because step wall times on a shared machine jitter by tens of percent."""
@@ -162,13 +168,16 @@ class GoodputPolicy:
         self.acceptance = AcceptanceWindow(max(1, max(candidates)), config.acceptance_decay,
                                            config.prior_strength)
         self._steps_on_tier = 0
+        self._steps = 0
+        self._last_drafted = [0] * max(1, max(candidates))  # step count when last drafted
+        self._probe_interval = config.probe_interval_steps
+        self._probed_from: int | None = None
 
-    def scores(self, signals: Signals) -> dict[int, float]:
+    def scores(self, signals: Signals, rates: list[float]) -> dict[int, float]:
         """Expected tokens/s per candidate (empty until some step cost is known)."""
-        batch = max(1, signals.effective_concurrency if self.config.concurrency_source ==
-                    "effective" else signals.local_batch)
-        prior = signals.cluster.acceptance_prior if signals.cluster else ()
-        rates = self.acceptance.rates(prior)
+        batch = signals.verify_batch(signals.effective_concurrency if
+                                     self.config.concurrency_source == "effective"
+                                     else signals.local_batch)
         scores = {}
         for k in self.candidates:
             seconds = self.costs.predict(batch, k)
@@ -181,8 +190,14 @@ class GoodputPolicy:
         for cost in signals.step_costs:
             self.costs.observe(cost)
         self._steps_on_tier += signals.steps
+        self._steps += signals.steps
+        for pos, drafted in enumerate(signals.drafted_per_pos):
+            if drafted:
+                self._last_drafted[pos] = self._steps
         current = signals.current_k
-        scores = self.scores(signals)
+        prior = signals.cluster.acceptance_prior if signals.cluster else ()
+        rates = self.acceptance.rates(prior)
+        scores = self.scores(signals, rates)
         if not scores or current not in scores:
             return Decision(current, "no cost data yet")
         best = max(scores, key=lambda k: (scores[k], -k))  # ties go to the smaller K
@@ -190,12 +205,27 @@ class GoodputPolicy:
                   "score_current": scores[current], "score_best": scores[best]}
         if self._steps_on_tier < self.config.min_dwell_steps:
             return Decision(current, "dwell", inputs)
-        positive = [k for k in self.candidates if k > 0]
-        if current == 0 and positive and self._steps_on_tier >= self.config.probe_interval_steps:
-            self._steps_on_tier = 0
-            return Decision(positive[0], "probe: measure acceptance again", inputs)
-        if best != current and scores[best] > scores[current] * (1 + self.config.switch_margin):
+        better = scores[best] > scores[current] * (1 + self.config.switch_margin)
+        if self._probed_from is not None:  # the first decision after a probe's dwell
+            self._judge_probe(best if better else current)
+        deeper = [k for k in self.candidates if k > current]
+        if deeper and self._steps_on_tier >= self._probe_interval and \
+                self._steps - self._last_drafted[deeper[0] - 1] >= self._probe_interval and \
+                len(prior) < deeper[0]:  # the cluster has not measured those positions either
+            self._steps_on_tier, self._probed_from = 0, current
+            return Decision(deeper[0], "probe: measure the next tier's positions", inputs)
+        if best != current and better:
             self._steps_on_tier = 0
             return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",
                             inputs)
         return Decision(current, "current tier is within the margin of the best", inputs)
+
+    def _judge_probe(self, next_k: int) -> None:
+        """A probe that ends back where it started doubles the wait before the next one (up to
+        8x); one that the scores keep, or that leads deeper, resets it."""
+        if next_k <= self._probed_from:
+            self._probe_interval = min(8 * self.config.probe_interval_steps,
+                                       2 * self._probe_interval)
+        else:
+            self._probe_interval = self.config.probe_interval_steps
+        self._probed_from = None

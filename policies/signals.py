@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,14 @@ class ClusterView:
     peer_tiers: tuple[int, ...] = ()
     age_s: float = 0.0
 
+    @classmethod
+    def from_hub(cls, view: dict[str, Any], local_load: int) -> ClusterView:
+        """From the telemetry hub's answer (`ClusterState.view`). The replica's own count of
+        its requests is fresher than the hub's, so the larger of the two counts."""
+        return cls(effective_concurrency=max(view["effective_concurrency"], local_load),
+                   acceptance_prior=tuple(view["acceptance_prior"]),
+                   peer_tiers=tuple(view["peer_tiers"]))
+
 
 @dataclass(frozen=True)
 class Signals:
@@ -65,6 +74,8 @@ class Signals:
     requests: tuple[RequestAcceptance, ...] = ()
     cluster: ClusterView | None = None
     now_s: float = 0.0
+    max_batch: int | None = None
+    """The most sequences the engine runs in one step (its max_num_seqs), when known."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -77,6 +88,12 @@ class Signals:
         if self.cluster is not None:
             return max(self.cluster.effective_concurrency, self.running)
         return self.running + self.waiting
+
+    def verify_batch(self, concurrency: int) -> int:
+        """Sequences a step will verify at this concurrency: demand beyond the engine's batch
+        limit waits, and costs no verify work."""
+        batch = max(1, concurrency)
+        return min(batch, self.max_batch) if self.max_batch else batch
 
     @property
     def mean_accepted_per_draft(self) -> float | None:
@@ -91,3 +108,8 @@ class Decision:
     k: int
     reason: str = ""
     inputs: dict[str, float] = field(default_factory=dict)
+
+
+def blend_rate(old: float | None, fresh: float, weight_new: float = 0.3) -> float:
+    """A decayed rate as replicas report it (to routers and the hub): new windows weigh 30%."""
+    return fresh if old is None else old + weight_new * (fresh - old)

@@ -20,7 +20,8 @@ from replicas.tier_pool import TierPool, TierSwitch
 
 def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: int,
                cluster: ClusterView | None = None,
-               requests: tuple[RequestAcceptance, ...] = (), now_s: float = 0.0) -> Signals:
+               requests: tuple[RequestAcceptance, ...] = (), now_s: float = 0.0,
+               max_batch: int | None = None) -> Signals:
     """Sum a window of step records into Signals; per-position counts padded to max K."""
     width = max(candidates)
     accepted, drafted = [0] * width, [0] * width
@@ -37,7 +38,7 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         # A step's K is the one in force when it ran; steps of unknown length are left out.
         step_costs=tuple(StepCost(s.running, s.k, s.wall_s) for s in steps
                          if s.wall_s > 0 and s.running > 0),
-        requests=requests, cluster=cluster, now_s=now_s)
+        requests=requests, cluster=cluster, now_s=now_s, max_batch=max_batch)
 
 
 @dataclass
@@ -53,12 +54,14 @@ class LoopStats:
 class ControlLoop:
     def __init__(self, engine: Engine, pool: TierPool, policy: Policy,
                  decide_every_steps: int = 4,
-                 request_acceptance: Callable[[], tuple[RequestAcceptance, ...]] | None = None):
+                 request_acceptance: Callable[[], tuple[RequestAcceptance, ...]] | None = None,
+                 max_batch: int | None = None):
         self.engine = engine
         self.pool = pool
         self.policy = policy
         self.decide_every_steps = decide_every_steps
         self._request_acceptance = request_acceptance
+        self.max_batch = max_batch
         self._pending: list[StepRecord] = []
         self.stats = LoopStats()
 
@@ -75,7 +78,7 @@ class ControlLoop:
             return steps, None, None
         requests = self._request_acceptance() if self._request_acceptance else ()
         signals = fold_steps(self._pending, self.pool.candidates, self.pool.active_k,
-                             cluster, requests, time.monotonic())
+                             cluster, requests, time.monotonic(), self.max_batch)
         self._pending = []
         started = time.perf_counter()
         decision = self.policy.decide(signals)

@@ -21,7 +21,7 @@ from ray import serve
 from observability import tracing
 from observability.metrics import ReplicaMetrics
 from policies.registry import build_policy, parse_policy_config
-from policies.signals import ClusterView, Decision
+from policies.signals import ClusterView, Decision, blend_rate
 from replicas.control_loop import ControlLoop
 from replicas.engines.base import EngineInputError, GenerationRequest, add_per_position
 from replicas.engines.factory import build_engine
@@ -56,7 +56,8 @@ class EngineReplica:
         await self.pool.apply_initial()
         self.loop = ControlLoop(self.engine, self.pool, build_policy(policy, self.pool.candidates),
                                 decide_every_steps,
-                                getattr(self.engine, "request_acceptance", None))
+                                getattr(self.engine, "request_acceptance", None),
+                                max_batch=spec.max_num_seqs)
         self.policy_config = parse_policy_config(policy).model_dump()
         tracing.configure_tracing("specserve-replica")
         self.metrics = ReplicaMetrics(self.replica_id, self.pool.candidates)
@@ -76,6 +77,10 @@ class EngineReplica:
         self._serve_configs_seen = 0
         self._request_class: dict[str, str] = {}
         self._class_acceptance: dict[str, float] = {}
+        # First-draft acceptance (share of drafting steps that landed at least one draft) since
+        # the last report, and its decayed value: what the router matches requests against.
+        self._first_draft = [0, 0]
+        self._first_acceptance: float | None = None
         self._control = asyncio.create_task(self._control_forever())
         logger.info("replica %s ready: engine=%s candidates=%s K=%d", self.replica_id,
                     self.engine.name, self.pool.candidates, self.pool.active_k)
@@ -160,6 +165,9 @@ class EngineReplica:
             for step in steps:
                 add_per_position(accepted, step.accepted_per_pos)
                 add_per_position(drafted, step.drafted_per_pos)
+                if step.drafted_per_pos:  # sequences that drafted, and that landed one
+                    self._first_draft[0] += step.accepted_per_pos[0]
+                    self._first_draft[1] += step.drafted_per_pos[0]
         if decision is not None:
             self.metrics.record_decision_seconds(
                 self.loop.stats.decision_seconds_total / max(1, self.loop.stats.decisions))
@@ -216,11 +224,8 @@ class EngineReplica:
     async def _apply_view(self, view: dict[str, Any]) -> None:
         self.max_routed = max(self.max_routed, view.get("routed", 0))
         counters = self.engine.counters()
-        self.cluster = ClusterView(
-            effective_concurrency=max(view["effective_concurrency"], self.ongoing,
-                                      counters.running + counters.waiting),
-            acceptance_prior=tuple(view["acceptance_prior"]),
-            peer_tiers=tuple(view["peer_tiers"]))
+        self.cluster = ClusterView.from_hub(view, max(self.ongoing,
+                                                      counters.running + counters.waiting))
         override = view.get("policy_override")
         if override and override["issued_at"] > self._applied_issued_at:
             # A fleet-wide change made while this replica was away (or before it started).
@@ -274,18 +279,26 @@ class EngineReplica:
         logger.info("replica %s reconfigured: %s", self.replica_id, user_config)
 
     def _update_class_acceptance(self) -> None:
-        """Per request class, a decayed acceptance rate from the live requests' windows."""
+        """Per request class, and for the replica, a decayed first-draft acceptance: the share
+        of drafting steps that landed at least one draft (comparable across K, unlike the
+        per-token rate)."""
         provider = getattr(self.engine, "request_acceptance", None)
         totals: dict[str, list[int]] = {}
         for window in provider() if provider else ():
             request_class = self._request_class.get(window.request_id, "default")
             entry = totals.setdefault(request_class, [0, 0])
-            entry[0] += sum(window.accepted)
-            entry[1] += sum(window.drafted)
-        for request_class, (accepted, drafted) in totals.items():
-            if drafted:
-                old = self._class_acceptance.get(request_class, accepted / drafted)
-                self._class_acceptance[request_class] = 0.7 * old + 0.3 * accepted / drafted
+            for accepted, drafted in zip(window.accepted, window.drafted, strict=True):
+                if drafted:
+                    entry[0] += accepted > 0
+                    entry[1] += 1
+        for request_class, (landed, drafting) in totals.items():
+            if drafting:
+                self._class_acceptance[request_class] = blend_rate(
+                    self._class_acceptance.get(request_class), landed / drafting)
+        landed, drafting = self._first_draft
+        if drafting:
+            self._first_acceptance = blend_rate(self._first_acceptance, landed / drafting)
+            self._first_draft = [0, 0]
 
     def record_routing_stats(self) -> dict[str, Any]:
         self._update_class_acceptance()
@@ -295,6 +308,7 @@ class EngineReplica:
                 "hub": self._hub,  # routers report what they routed to it
                 "effective": self._effective_concurrency(),
                 "class_acceptance": dict(self._class_acceptance),
+                "first_acceptance": self._first_acceptance,
                 "acceptance_rate": (counters.accepted_tokens / counters.draft_tokens
                                     if counters.draft_tokens else None)}
 

@@ -24,6 +24,19 @@ def test_router_prefers_least_loaded_then_the_fitting_tier():
                          acceptance=0.9)[0] == ["shallow"]
 
 
+def test_router_gathers_similar_requests_within_the_load_slack():
+    replicas = [ReplicaLoad("copying", 20, 15, acceptance=0.95),
+                ReplicaLoad("chatting", 23, 3, acceptance=0.40),
+                ReplicaLoad("overloaded", 40, 3, acceptance=0.40)]
+    # Slack is a quarter of the least load (5 requests): both light replicas are candidates.
+    assert rank_replicas(replicas, acceptance=0.40)[0] == ["chatting"]
+    assert rank_replicas(replicas, acceptance=0.97)[0] == ["copying"]
+    # Beyond the slack, load wins over a matching stream.
+    assert rank_replicas([ReplicaLoad("copying", 20, 15, acceptance=0.95),
+                          ReplicaLoad("chatting", 26, 3, acceptance=0.40)],
+                         acceptance=0.40)[0] == ["copying"]
+
+
 def test_router_learns_class_acceptance_from_replica_reports():
     assert expected_acceptance("greedy", []) > 0.5 > expected_acceptance("sampled", [])
     assert expected_acceptance("greedy", [{"greedy": 0.1}, {"greedy": 0.3}]) == 0.2

@@ -19,7 +19,7 @@ import hashlib
 import random
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from replicas.engines.base import (
     EngineCounters,
@@ -45,7 +45,8 @@ class _SimRequest:
     acceptance: Acceptance
     rng: random.Random
     generated: int = 0
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue | None = None
+    """Where `generate` streams from; virtual-time harnesses poll `generated` instead."""
     done: bool = False
     aborted: bool = False
 
@@ -116,11 +117,13 @@ class SimulatedEngine:
                 f"exceeds the context of {self.max_model_len} tokens")
         return prompt
 
-    def submit(self, request: GenerationRequest) -> _SimRequest:
-        """Queue a request without streaming it (virtual-time harnesses poll `generated`)."""
+    def submit(self, request: GenerationRequest, stream: bool = False) -> _SimRequest:
+        """Queue a request; without `stream`, nothing is queued for a reader (virtual-time
+        harnesses poll `generated`)."""
         self._validate(request)
         entry = _SimRequest(request, self.preset.acceptance_for(request),
-                            random.Random(f"{request.request_id}{request.seed}"))
+                            random.Random(f"{request.request_id}{request.seed}"),
+                            queue=asyncio.Queue() if stream else None)
         self._waiting.append(entry)
         self._wake.set()
         return entry
@@ -132,7 +135,7 @@ class SimulatedEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         prompt = self._validate(request)
-        entry = self.submit(request)
+        entry = self.submit(request, stream=True)
         prompt_tokens = len(prompt.split())
         try:
             while True:
@@ -162,22 +165,25 @@ class SimulatedEngine:
         """One engine step over the running requests; returns its simulated seconds."""
         batch, k = list(self._running.values()), self.k
         seconds = self.preset.step_seconds(len(batch), k)
-        accepted_pos, drafted_pos = [0] * self.kmax, [0] * self.kmax
+        runs = [0] * (k + 1)  # a histogram of accepted-run lengths, then runs >= p
         accepted_total = generated = 0
         for entry in batch:
             run = entry.acceptance.accepted_run(entry.rng, k)
-            for pos in range(k):
-                drafted_pos[pos] += 1
-                accepted_pos[pos] += pos < run
+            runs[run] += 1
             tokens = min(run + 1, entry.request.max_tokens - entry.generated)
             entry.generated += tokens
             accepted_total += run
             generated += tokens
             finished = entry.generated >= entry.request.max_tokens
             entry.done = finished
-            entry.queue.put_nowait(((0,) * tokens, finished))
+            if entry.queue is not None:
+                entry.queue.put_nowait(((0,) * tokens, finished))
             if finished:
                 self._running.pop(entry.request.request_id, None)
+        for pos in range(k - 1, -1, -1):
+            runs[pos] += runs[pos + 1]
+        accepted_pos = runs[1:] + [0] * (self.kmax - k)  # position p lands when run >= p + 1
+        drafted_pos = [len(batch)] * k + [0] * (self.kmax - k)
         drafts = len(batch) if k else 0
         record = StepRecord(running=len(batch), waiting=len(self._waiting), k=k, wall_s=seconds,
                             drafts=drafts, draft_tokens=drafts * k,
