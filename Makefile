@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(if $(HAS_CUDA),gpu,cpu)
 export RAY_AUTH_MODE ?= disabled
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: install serve test lint bench bench-engine bench-replay models clean
+.PHONY: install serve test lint bench bench-replay bench-cluster bench-engine bench-http models clean
 
 install: $(STAMP)
 
@@ -39,17 +39,26 @@ test: install
 lint: install
 	$(BIN)/ruff check .
 
-# Simulator replays (seconds) and the vLLM engine benchmark (minutes); results and plots in
-# bench/results/. The HTTP benchmark needs a running app: see the README.
-bench: bench-replay bench-engine
+# Every benchmark, then the README's result tables regenerated from bench/results/:
+# simulator replays and the cluster simulation (minutes), the vLLM engine benchmark (minutes),
+# and the HTTP benchmarks against `serve run serve_config.yaml`, started and stopped here
+# (about 40 minutes on 2 cores).
+bench: bench-replay bench-cluster bench-engine bench-http
+	$(BIN)/python -m bench.readme_tables
 
 bench-replay: install
 	for preset in h20-llama8b-ngram cpu-demo; do for workload in transition sweep; do \
 		$(BIN)/python -m bench.policy_replay --preset $$preset --workload $$workload || exit 1; \
 	done; done
 
+bench-cluster: install
+	$(BIN)/python -m bench.cluster_sim
+
 bench-engine: install
 	$(BIN)/python -m bench.engine_bench --markdown bench/results/engine_bench.md
+
+bench-http: install
+	$(BIN)/python -m bench.http_suite
 
 models: install
 	$(BIN)/python scripts/train_demo_models.py --out models

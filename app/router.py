@@ -1,6 +1,7 @@
 """The cluster request router: least effective load first, then the tier that fits the request.
 
-Ranking (`rank_replicas`, pure, also used by the cluster simulation):
+Ranking (`rank_replicas`, pure, also used by the cluster simulation), over all replicas up to
+`RANK_SAMPLE` of them and over a random sample of that many in larger fleets:
 1. effective load: the replica's own count (running + waiting + in its handler, from its
    routing stats, pushed every stats period) or this router's requests in flight to it,
    whichever is larger (the router's count is fresh, the stats see other routers' traffic);
@@ -27,20 +28,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 HIGH_ACCEPTANCE = 0.5
 LOAD_SLACK_RATIO = 0.25
+# Large fleets: rank a random sample of this many replicas (routing stays O(1) per request,
+# as Ray Serve's power-of-two-choices does with two).
+RANK_SAMPLE = 16
 DEFAULT_CLASS_ACCEPTANCE = {"greedy": 0.8, "sampled": 0.1}
 REPORT_S = 0.1
 # Re-report unchanged non-zero counts this often: the hub forgets silent routers after 3 s.
 REFRESH_S = 1.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,11 @@ def rank_replicas(replicas: list[ReplicaLoad], acceptance: float, load_slack: in
     best = [r.replica_id for r in near if fit(r) == fit(near[0])]
     rest = sorted((r for r in replicas if r.replica_id not in best), key=lambda r: r.load)
     return [best, [r.replica_id for r in rest]] if rest else [best]
+
+
+def sample_candidates(replicas: list[T], rng: random.Random) -> list[T]:
+    """All replicas up to `RANK_SAMPLE`, else a random sample of that many."""
+    return replicas if len(replicas) <= RANK_SAMPLE else rng.sample(replicas, RANK_SAMPLE)
 
 
 class RoutedReporter:
@@ -134,10 +145,12 @@ class TierAwareRouter(RequestRouter):
         self.in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
         self._request_replica: dict[str, ReplicaID] = {}
         self.reporter = RoutedReporter(self.in_flight)
+        self.rng = random.Random()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
+        candidate_replicas = sample_candidates(candidate_replicas, self.rng)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = []
         reports = []

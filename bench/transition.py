@@ -50,11 +50,12 @@ def sweep_phases(requests: int) -> list[Phase]:
             for i, c in enumerate((1, 16, 64, 1))]
 
 
-def policy_for_mode(mode: str) -> dict[str, Any]:
-    """`static7` -> static K=7; any other name is a policy with its default config."""
+def policy_for_mode(mode: str, deployed: dict[str, Any]) -> dict[str, Any]:
+    """`static7` -> static K=7; the deployed policy's name -> its deployed config (e.g. the
+    goodput policy keeps its step-cost profile); any other name -> that policy's defaults."""
     if mode.startswith("static"):
         return {"name": "static", "k": int(mode.removeprefix("static"))}
-    return {"name": mode}
+    return deployed if deployed.get("name") == mode else {"name": mode}
 
 
 @dataclass
@@ -145,8 +146,8 @@ async def track_tiers(client: Client, stop: asyncio.Event, origin: float,
 
 
 async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
-                   origin: float) -> dict[str, Any]:
-    await client.set_policy(policy_for_mode(mode))
+                   origin: float, deployed: dict[str, Any]) -> dict[str, Any]:
+    await client.set_policy(policy_for_mode(mode, deployed))
     warm = Phase("warmup", tuple(p for pair in zip(LOW, HIGH, strict=True) for p in pair),
                  phases[0].concurrency, warmup)
     await run_phase(client, warm, seed_base=10_000)
@@ -187,7 +188,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     phases = (transition_phases(args.requests, args.concurrency)
               if args.workload == "transition" else sweep_phases(args.requests))
     origin = time.perf_counter()
-    modes = {mode: await run_mode(client, mode, phases, args.warmup, origin)
+    deployed = (await client.replicas())[0]["policy"]  # as deployed, before any mode changes it
+    modes = {mode: await run_mode(client, mode, phases, args.warmup, origin, deployed)
              for mode in args.modes}
     await client.http.aclose()
     return {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,

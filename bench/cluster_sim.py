@@ -1,0 +1,412 @@
+"""Cluster simulation: SIMULATOR engines behind the real router ranking and telemetry-hub logic.
+
+    python -m bench.cluster_sim                      # 8, 64 and 512 replicas, every mode
+    python -m bench.cluster_sim --replicas 64 --duration 20 --json out.json
+
+Each replica is a `SimulatedEngine` (cost model and synthetic acceptance, not a model) with the
+real `TierPool`, `ControlLoop` and policy. The router ranks with `app.router.rank_replicas` and
+learns per-class acceptance from the replicas' reports as the Serve router does; the hub is
+`app.telemetry_hub.ClusterState`, exchanged with every replica each telemetry period. A
+discrete-event loop in virtual time drives them all, so no Ray or HTTP is needed and a run
+takes seconds.
+
+The load is bursty and skewed: tenants with Zipf popularity, each sending one request class
+(copy-heavy, code-like or chat-like acceptance); every few seconds a burst multiplies the rate
+and comes mostly from one tenant. Modes:
+
+| mode | policy | concurrency seen | cluster prior | routing |
+|---|---|---|---|---|
+| static1..static15 | static K | - | no | power of two choices (Ray Serve's default) |
+| batch_table | vLLM's table | local batch | no | power of two choices |
+| ema | SGLang's EMA | - | no | power of two choices |
+| goodput_local | goodput | local batch | no | power of two choices |
+| goodput_cluster | goodput | effective (cluster) | yes | power of two choices |
+| goodput_routed | goodput | effective (cluster) | yes | tier-aware (`rank_replicas`) |
+
+Reported per mode: goodput (tokens/s of requests that met the latency SLO), throughput, p50/p99
+request latency, and tier switches per replica-hour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.router import ReplicaLoad, expected_acceptance, rank_replicas, sample_candidates
+from app.telemetry_hub import ClusterState
+from bench.policy_replay import CANDIDATES
+from bench.policy_replay import policy_config as replay_policy_config
+from bench.report import print_table
+from policies.registry import build_policy
+from policies.signals import ClusterView, blend_rate
+from replicas.control_loop import ControlLoop
+from replicas.engines.base import GenerationRequest, add_per_position
+from replicas.engines.sim_engine import SimulatedEngine
+from replicas.engines.sim_presets import PRESETS
+from replicas.tier_pool import TierPool
+
+PRESET = "h20-llama8b-ngram"
+# Request classes and the preset acceptance they draw from (see sim_presets).
+CLASSES = {"copy": "high_2", "code": "low_2", "chat": "low_1"}
+STATIC = ("static1", "static3", "static7", "static15")
+LOCAL = ("batch_table", "ema", "goodput_local")
+CLUSTER = ("goodput_cluster", "goodput_routed")
+MODES = (*STATIC, *LOCAL, *CLUSTER)
+TELEMETRY_PERIOD_S = 0.5  # as the replica deployment's hub exchange
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float
+    request_class: str
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class LoadShape:
+    """Open-loop arrivals per replica: a base rate with bursts from one tenant at a time."""
+
+    rate_per_replica: float = 6.0
+    """Requests per second per replica between bursts."""
+    burst_factor: float = 5.0
+    burst_every_s: float = 5.0
+    burst_s: float = 1.5
+    burst_tenant_share: float = 0.8
+    """Share of a burst's requests that come from the bursting tenant."""
+    tenants: int = 12
+    zipf_s: float = 1.1
+    max_tokens: tuple[int, int] = (128, 384)
+
+
+def workload(replicas: int, duration_s: float, shape: LoadShape, seed: int) -> list[Arrival]:
+    rng = random.Random(seed)
+    names = list(CLASSES)
+    tenant_class = [names[i % len(names)] for i in range(shape.tenants)]
+    weights = [1 / (i + 1) ** shape.zipf_s for i in range(shape.tenants)]
+    arrivals, now = [], 0.0
+    burst_start, burst_tenant = -1.0, 0
+    next_burst = rng.uniform(0, shape.burst_every_s)
+    while True:
+        if now >= next_burst:
+            burst_start, next_burst = next_burst, next_burst + rng.expovariate(
+                1 / shape.burst_every_s) + shape.burst_s
+            burst_tenant = rng.choices(range(shape.tenants), weights)[0]
+        bursting = burst_start <= now < burst_start + shape.burst_s
+        rate = replicas * shape.rate_per_replica * (shape.burst_factor if bursting else 1)
+        now += rng.expovariate(rate)
+        if now >= duration_s:
+            return arrivals
+        tenant = burst_tenant if bursting and rng.random() < shape.burst_tenant_share else \
+            rng.choices(range(shape.tenants), weights)[0]
+        arrivals.append(Arrival(now, tenant_class[tenant], rng.randint(*shape.max_tokens)))
+
+
+@dataclass
+class Tracked:
+    arrival: Arrival
+    entry: Any
+    seen: int = 0
+    """Tokens generated as of the replica's last step."""
+    first_token_at: float | None = None
+
+
+@dataclass
+class SimReplica:
+    replica_id: str
+    engine: SimulatedEngine
+    pool: TierPool
+    loop: ControlLoop
+    busy: bool = False
+    step_k: int = 0
+    in_flight: list[Tracked] = field(default_factory=list)
+    # Per class, decayed (accepted, drafted) as the replica reports it to the router.
+    class_window: dict[str, list[int]] = field(default_factory=dict)
+    class_acceptance: dict[str, float] = field(default_factory=dict)
+    window_accepted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
+    window_drafted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
+    cluster: Any = None
+    first_acceptance: float | None = None
+
+    @property
+    def load(self) -> int:
+        return len(self.in_flight)
+
+    def stats(self) -> dict[str, Any]:
+        counters = self.engine.counters()
+        stats = {"running": counters.running, "waiting": counters.waiting,
+                 "ongoing": self.load, "active_k": self.pool.active_k,
+                 "window_accepted": self.window_accepted, "window_drafted": self.window_drafted}
+        if self.window_drafted[0]:  # decayed first-draft acceptance, reported to the router
+            self.first_acceptance = blend_rate(self.first_acceptance,
+                                               self.window_accepted[0] / self.window_drafted[0])
+        self.window_accepted = [0] * max(CANDIDATES)
+        self.window_drafted = [0] * max(CANDIDATES)
+        for request_class, (accepted, drafted) in self.class_window.items():
+            if drafted:  # the replica deployment's decayed per-class report
+                self.class_acceptance[request_class] = blend_rate(
+                    self.class_acceptance.get(request_class), accepted / drafted)
+        self.class_window = {}
+        return stats
+
+
+@dataclass
+class ModeOutcome:
+    window_s: float = 0.0
+    window_tokens: int = 0
+    """Tokens generated while arrivals lasted: under overload, the fleet's capacity."""
+    tokens: int = 0
+    slo_tokens: int = 0
+    latencies: list[float] = field(default_factory=list)
+    switches: int = 0
+    end_s: float = 0.0
+    wall_s: float = 0.0
+
+
+def policy_for(mode: str) -> dict[str, Any]:
+    if mode.startswith("goodput"):
+        config = replay_policy_config("goodput", PRESET)
+        config["concurrency_source"] = "local" if mode == "goodput_local" else "effective"
+        return config
+    config = replay_policy_config(mode, PRESET)
+    if mode == "batch_table":
+        config["concurrency_source"] = "local"  # vLLM's semantics
+    return config
+
+
+async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s: float,
+                   slo_ttft_s: float, slo_tpot_s: float, seed: int) -> ModeOutcome:
+    started = time.perf_counter()
+    preset = PRESETS[PRESET]
+    fleet = []
+    for i in range(replicas):
+        engine = SimulatedEngine(preset, kmax=max(CANDIDATES), max_num_seqs=64)
+        # Static modes start on their tier; adaptive ones on K=3, as the replay does.
+        pool = TierPool(engine, CANDIDATES, initial_k=int(mode[6:]) if mode in STATIC else 3)
+        await pool.apply_initial()
+        fleet.append(SimReplica(f"r{i}", engine, pool,
+                                ControlLoop(engine, pool,
+                                            build_policy(policy_for(mode), CANDIDATES),
+                                            max_batch=engine.max_num_seqs)))
+    hub = ClusterState(stale_after_s=3 * TELEMETRY_PERIOD_S)
+    uses_cluster, tier_aware = mode in CLUSTER, mode == "goodput_routed"
+    rng = random.Random(seed)
+    outcome, serial = ModeOutcome(window_s=duration_s), 0
+    events: list[tuple[float, int, str, int]] = [(a.at, i, "arrive", i)
+                                                 for i, a in enumerate(arrivals)]
+    heapq.heapify(events)
+    order = len(arrivals)
+
+    def schedule(at: float, kind: str, index: int) -> None:
+        nonlocal order
+        order += 1
+        heapq.heappush(events, (at, order, kind, index))
+
+    def start_step(index: int, now: float) -> None:
+        replica = fleet[index]
+        replica.engine.admit()
+        replica.step_k = replica.engine.k
+        replica.busy = True
+        schedule(now + replica.engine.step(), "step", index)
+
+    arrivals_left = len(arrivals)
+    schedule(TELEMETRY_PERIOD_S, "hub", 0)
+    while events:
+        now, _, kind, index = heapq.heappop(events)
+        if kind == "arrive":
+            arrivals_left -= 1
+            arrival = arrivals[index]
+            if tier_aware:
+                # As the Serve router: the (sampled) candidates' loads and reports.
+                candidates = sample_candidates(fleet, rng)
+                loads = [ReplicaLoad(r.replica_id, r.load, r.pool.active_k, r.first_acceptance)
+                         for r in candidates]
+                acceptance = expected_acceptance(arrival.request_class,
+                                                 [r.class_acceptance for r in candidates])
+                best = rank_replicas(loads, acceptance)[0]
+                target = int(rng.choice(best)[1:])
+            else:  # Ray Serve's default: the less loaded of two random replicas
+                a, b = rng.randrange(replicas), rng.randrange(replicas)
+                target = a if fleet[a].load <= fleet[b].load else b
+            replica = fleet[target]
+            serial += 1
+            entry = replica.engine.submit(GenerationRequest(
+                request_id=f"q{serial}", prompt="sim", max_tokens=arrival.max_tokens,
+                request_class=CLASSES[arrival.request_class], seed=serial))
+            replica.in_flight.append(Tracked(arrival, entry))
+            if not replica.busy:
+                start_step(target, now)
+        elif kind == "step":
+            replica = fleet[index]
+            replica.busy = False
+            still = []
+            for tracked in replica.in_flight:
+                gained = tracked.entry.generated - tracked.seen
+                if now <= duration_s:
+                    outcome.window_tokens += gained
+                if gained:
+                    tracked.seen = tracked.entry.generated
+                    if tracked.first_token_at is None:
+                        tracked.first_token_at = now
+                    if replica.step_k:  # first-draft acceptance, as the replica measures it
+                        window = replica.class_window.setdefault(
+                            tracked.arrival.request_class, [0, 0])
+                        window[0] += gained > 1
+                        window[1] += 1
+                if not tracked.entry.done:
+                    still.append(tracked)
+                    continue
+                outcome.latencies.append(now - tracked.arrival.at)
+                outcome.tokens += tracked.seen
+                ttft = tracked.first_token_at - tracked.arrival.at
+                tpot = (now - tracked.first_token_at) / max(1, tracked.seen - 1)
+                if ttft <= slo_ttft_s and tpot <= slo_tpot_s and now <= duration_s:
+                    outcome.slo_tokens += tracked.seen
+            replica.in_flight = still
+            steps, _, _ = await replica.loop.tick(replica.cluster if uses_cluster else None)
+            for step in steps:
+                add_per_position(replica.window_accepted, step.accepted_per_pos)
+                add_per_position(replica.window_drafted, step.drafted_per_pos)
+            outcome.end_s = now
+            if replica.in_flight:
+                start_step(index, now)
+        else:  # the telemetry period: every replica pushes and reads its cluster view
+            for replica in fleet:
+                view = hub.push(replica.replica_id, replica.stats(), now=now)
+                replica.cluster = ClusterView.from_hub(view, replica.load)
+            if arrivals_left or any(r.in_flight for r in fleet):
+                schedule(now + TELEMETRY_PERIOD_S, "hub", 0)
+    outcome.switches = sum(r.pool.switch_count for r in fleet)
+    outcome.wall_s = time.perf_counter() - started
+    return outcome
+
+
+def summarise(outcome: ModeOutcome, replicas: int) -> dict[str, Any]:
+    latencies = sorted(outcome.latencies)
+    replica_hours = replicas * outcome.end_s / 3600
+    return {"goodput": outcome.slo_tokens / outcome.window_s,
+            "throughput": outcome.window_tokens / outcome.window_s,
+            "p50_s": statistics.median(latencies),
+            "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "switches_per_replica_hour": outcome.switches / replica_hours,
+            "requests": len(latencies), "simulated_s": outcome.end_s, "wall_s": outcome.wall_s}
+
+
+def verdicts(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    best_static = max(STATIC, key=lambda m: modes[m]["goodput"])
+    best_local = max(LOCAL, key=lambda m: modes[m]["goodput"])
+    best_cluster = max(CLUSTER, key=lambda m: modes[m]["goodput"])
+    switches_cluster = modes[best_cluster]["switches_per_replica_hour"]
+    return {"best_static": best_static, "best_local": best_local, "best_cluster": best_cluster,
+            "cluster_vs_best_local": modes[best_cluster]["goodput"] /
+            modes[best_local]["goodput"],
+            "cluster_vs_best_static": modes[best_cluster]["goodput"] /
+            modes[best_static]["goodput"],
+            "ema_switches_vs_cluster": modes["ema"]["switches_per_replica_hour"] /
+            max(switches_cluster, 1e-9)}
+
+
+def report(runs: dict[int, dict[str, Any]]) -> str:
+    parts = []
+    for replicas, run in runs.items():
+        modes = run["modes"]
+        rows = [[m, f"{r['goodput']:.0f}", f"{r['throughput']:.0f}", f"{r['p50_s']:.2f}",
+                 f"{r['p99_s']:.2f}", f"{r['switches_per_replica_hour']:.0f}", r["requests"],
+                 f"{r['wall_s']:.1f}"] for m, r in modes.items()]
+        parts.append(print_table(
+            f"{replicas} REPLICAS (SIMULATOR, {run['arrivals']} requests, "
+            f"{run['duration_s']:.0f} s of arrivals)",
+            ["mode", "goodput tok/s", "throughput tok/s", "p50 s", "p99 s",
+             "switches / replica-hour", "requests", "wall s"], rows))
+    rows = []
+    for replicas, run in runs.items():
+        v = run["verdicts"]
+        rows.append([replicas, v["best_static"], v["best_local"], v["best_cluster"],
+                     f"{v['cluster_vs_best_local']:.3f}", f"{v['cluster_vs_best_static']:.3f}",
+                     f"{v['ema_switches_vs_cluster']:.1f}x"])
+    parts.append(print_table(
+        "CLUSTER-AWARE VS LOCAL-ONLY (goodput ratios)",
+        ["replicas", "best static", "best local", "best cluster-aware",
+         "cluster / best local", "cluster / best static", "ema switches / cluster's"], rows))
+    return "\n\n".join(parts)
+
+
+def plot(runs: dict[int, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_g, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
+    scales = list(runs)
+    width = 0.8 / len(MODES)
+    for i, mode in enumerate(MODES):
+        xs = [j + i * width for j in range(len(scales))]
+        ax_g.bar(xs, [runs[n]["modes"][mode]["goodput"] / n for n in scales], width, label=mode)
+        ax_s.bar(xs, [runs[n]["modes"][mode]["switches_per_replica_hour"] for n in scales],
+                 width, label=mode)
+    for ax, title in ((ax_g, "goodput per replica (tok/s, SLO met)"),
+                      (ax_s, "tier switches per replica-hour")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(scales))],
+                      [f"{n} replicas" for n in scales])
+        ax.set_title(title)
+    ax_s.set_yscale("symlog")
+    ax_g.legend(fontsize=7, ncol=2)
+    fig.suptitle("Cluster simulation (SIMULATOR engines, real router ranking and hub logic)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, nargs="+", default=[8, 64, 512])
+    parser.add_argument("--duration", type=float, default=None,
+                        help="simulated seconds of arrivals (default: 480 / replicas, at "
+                             "least 10: the same simulated work at every scale)")
+    parser.add_argument("--rate", type=float, default=LoadShape.rate_per_replica,
+                        help="requests per second per replica between bursts")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--slo-ttft", type=float, default=2.0)
+    parser.add_argument("--slo-tpot", type=float, default=0.030)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=Path("bench/results/cluster_sim.json"))
+    parser.add_argument("--markdown", type=Path, default=Path("bench/results/cluster_sim.md"))
+    parser.add_argument("--plot", type=Path, default=Path("bench/results/cluster_sim.png"))
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    runs: dict[int, dict[str, Any]] = {}
+    for replicas in args.replicas:
+        duration = args.duration or max(10.0, 480 / replicas)
+        arrivals = workload(replicas, duration, LoadShape(rate_per_replica=args.rate), args.seed)
+        results = {}
+        for mode in modes:
+            outcome = asyncio.run(simulate(mode, replicas, arrivals, duration,
+                                           args.slo_ttft, args.slo_tpot, args.seed))
+            results[mode] = summarise(outcome, replicas)
+            print(f"{replicas:4d} replicas {mode:16s} goodput {results[mode]['goodput']:9.0f} "
+                  f"tok/s  wall {outcome.wall_s:5.1f} s", flush=True)
+        runs[replicas] = {"arrivals": len(arrivals), "duration_s": duration,
+                          "modes": results}
+        if set(MODES) <= set(modes):
+            runs[replicas]["verdicts"] = verdicts(results)
+    complete = {n: r for n, r in runs.items() if "verdicts" in r}
+    text = report(complete) if complete else ""
+    print(f"\nSIMULATOR preset {PRESET}; SLO: TTFT <= {args.slo_ttft} s and TPOT <= "
+          f"{args.slo_tpot * 1000:.0f} ms\n\n{text}")
+    args.json.write_text(json.dumps({"preset": PRESET, "slo_ttft_s": args.slo_ttft,
+                                     "slo_tpot_s": args.slo_tpot, "runs": runs}, indent=2))
+    if complete:
+        args.markdown.write_text(text + "\n")
+        plot(complete, args.plot)
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,92 @@
+"""The HTTP benchmarks end to end: start the app, run the transition and sweep workloads, stop.
+
+    python -m bench.http_suite                      # serve_config.yaml on 127.0.0.1:8000
+
+Starts `serve run serve_config.yaml`, waits until every engine replica answers, runs
+`bench.transition` with the issue's settings for both workloads (results in `bench/results/`:
+transition_http.* and sweep_http.*), then stops the app. Loopback only; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+RESULTS = Path("bench/results")
+MODES = "static1,static3,static7,static15,ema,goodput"
+WORKLOADS = {
+    # The issue's settings; the sweep's requests are the floor of each phase (2 x concurrency
+    # otherwise), kept low so the concurrency-1 phases stay minutes, not tens of minutes.
+    "transition": ["--requests", "16", "--concurrency", "8"],
+    "sweep": ["--requests", "8"],
+}
+
+
+def expected_replicas(config: Path) -> int:
+    """Engine replicas the first application asks for (its builder args, else one)."""
+    app = yaml.safe_load(config.read_text())["applications"][0]
+    return int(app.get("args", {}).get("num_replicas", 1))
+
+
+def wait_ready(url: str, replicas: int, server: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"serve run exited with {server.returncode} before the app was up")
+        try:
+            listed = httpx.get(f"{url}/admin/replicas", timeout=5).json().get("replicas", [])
+            if len(listed) >= replicas:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(2)
+    raise SystemExit(f"the app did not list {replicas} replicas within {timeout_s:.0f} s")
+
+
+def stop(server: subprocess.Popen) -> None:
+    """Ctrl-C, as a user would: `serve run` then tears the app and its local Ray down."""
+    if server.poll() is None:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=Path("serve_config.yaml"))
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--workloads", default="transition,sweep")
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    args = parser.parse_args()
+    if not args.url.startswith(("http://127.0.0.1", "http://localhost")):
+        raise SystemExit("the suite starts its own app: use a loopback URL")
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+           "NO_PROXY": "127.0.0.1,localhost"}
+    serve = Path(sys.executable).with_name("serve")
+    server = subprocess.Popen([str(serve), "run", str(args.config)], env=env)
+    try:
+        wait_ready(args.url, expected_replicas(args.config), server, args.startup_timeout)
+        for workload in args.workloads.split(","):
+            stem = RESULTS / ("transition_http" if workload == "transition" else "sweep_http")
+            subprocess.run(
+                [sys.executable, "-m", "bench.transition", "--url", args.url, "--workload",
+                 workload, *WORKLOADS[workload], "--warmup", "8", "--max-tokens", "256",
+                 "--modes", MODES, "--json", str(stem.with_suffix(".json")),
+                 "--plot", str(stem.with_suffix(".png")),
+                 "--markdown", str(stem.with_suffix(".md"))], env=env, check=True)
+    finally:
+        stop(server)
+
+
+if __name__ == "__main__":
+    main()

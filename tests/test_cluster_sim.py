@@ -1,0 +1,36 @@
+"""The cluster simulation on a small fleet (virtual time, a few seconds of wall time)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.cluster_sim import LoadShape, simulate, summarise, workload
+
+REPLICAS, DURATION_S = 4, 6.0
+
+
+@pytest.fixture(scope="module")
+def arrivals():
+    return workload(REPLICAS, DURATION_S, LoadShape(), seed=1)
+
+
+@pytest.mark.parametrize("mode", ["static3", "goodput_local", "goodput_routed"])
+def test_every_request_is_served_and_counted(arrivals, mode):
+    outcome = asyncio.run(simulate(mode, REPLICAS, arrivals, DURATION_S, 2.0, 0.02, seed=1))
+    summary = summarise(outcome, REPLICAS)
+    assert summary["requests"] == len(arrivals)
+    assert outcome.tokens == sum(a.max_tokens for a in arrivals)
+    assert summary["goodput"] <= summary["throughput"]
+    assert summary["p50_s"] <= summary["p99_s"]
+    if mode.startswith("static"):
+        assert outcome.switches == 0
+
+
+def test_workload_is_bursty_and_skewed(arrivals):
+    classes = [a.request_class for a in arrivals]
+    shares = {c: classes.count(c) / len(classes) for c in set(classes)}
+    assert len(shares) == 3 and max(shares.values()) > 0.4  # Zipf tenants skew the mix
+    per_second = [sum(1 for a in arrivals if s <= a.at < s + 1) for s in range(int(DURATION_S))]
+    assert max(per_second) > 2 * min(per_second)  # bursts
