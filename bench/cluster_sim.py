@@ -127,7 +127,7 @@ class SimReplica:
     busy: bool = False
     step_k: int = 0
     in_flight: list[Tracked] = field(default_factory=list)
-    # Per class, decayed (accepted, drafted) as the replica reports it to the router.
+    # Per class, (steps that landed a draft, drafting steps) since the last report.
     class_window: dict[str, list[int]] = field(default_factory=dict)
     class_acceptance: dict[str, float] = field(default_factory=dict)
     window_accepted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
@@ -139,7 +139,9 @@ class SimReplica:
     def load(self) -> int:
         return len(self.in_flight)
 
-    def stats(self) -> dict[str, Any]:
+    def telemetry(self) -> dict[str, Any]:
+        """The period's push to the hub; also refreshes what routers read (first-draft
+        acceptance, per class and overall) and starts new windows."""
         counters = self.engine.counters()
         stats = {"running": counters.running, "waiting": counters.waiting,
                  "ongoing": self.load, "active_k": self.pool.active_k,
@@ -279,7 +281,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                 start_step(index, now)
         else:  # the telemetry period: every replica pushes and reads its cluster view
             for replica in fleet:
-                view = hub.push(replica.replica_id, replica.stats(), now=now)
+                view = hub.push(replica.replica_id, replica.telemetry(), now=now)
                 replica.cluster = ClusterView.from_hub(view, replica.load)
             if arrivals_left or any(r.in_flight for r in fleet):
                 schedule(now + TELEMETRY_PERIOD_S, "hub", 0)

@@ -16,9 +16,9 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   whose acceptance comes in runs (prompt lookup: a copied span lands whole). So after
   `probe_interval_steps` on a tier whose next tier's positions have no fresh evidence, the
   policy runs that next tier for one dwell period to measure (bounded exploration: at most two
-  switches per interval; nothing else switches during a dwell). A probe that finds nothing
-  doubles the interval (up to 8x), and none is needed where the cluster's acceptance prior
-  already covers those positions: replicas share what each one measured.
+  switches per interval; nothing else switches during a dwell). The cluster's acceptance prior
+  does not replace the probe: under acceptance-aware routing a replica's traffic may differ
+  from the fleet's.
 - Step costs are measured on this replica every step (seeded by a profile table), not only
   profiled once, and interpolated piecewise in batch size so the regime knee is kept.
 - A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate.
@@ -170,8 +170,6 @@ class GoodputPolicy:
         self._steps_on_tier = 0
         self._steps = 0
         self._last_drafted = [0] * max(1, max(candidates))  # step count when last drafted
-        self._probe_interval = config.probe_interval_steps
-        self._probed_from: int | None = None
 
     def scores(self, signals: Signals, rates: list[float]) -> dict[int, float]:
         """Expected tokens/s per candidate (empty until some step cost is known)."""
@@ -205,27 +203,14 @@ class GoodputPolicy:
                   "score_current": scores[current], "score_best": scores[best]}
         if self._steps_on_tier < self.config.min_dwell_steps:
             return Decision(current, "dwell", inputs)
-        better = scores[best] > scores[current] * (1 + self.config.switch_margin)
-        if self._probed_from is not None:  # the first decision after a probe's dwell
-            self._judge_probe(best if better else current)
         deeper = [k for k in self.candidates if k > current]
-        if deeper and self._steps_on_tier >= self._probe_interval and \
-                self._steps - self._last_drafted[deeper[0] - 1] >= self._probe_interval and \
-                len(prior) < deeper[0]:  # the cluster has not measured those positions either
-            self._steps_on_tier, self._probed_from = 0, current
+        interval = self.config.probe_interval_steps
+        if deeper and self._steps_on_tier >= interval and \
+                self._steps - self._last_drafted[deeper[0] - 1] >= interval:
+            self._steps_on_tier = 0
             return Decision(deeper[0], "probe: measure the next tier's positions", inputs)
-        if best != current and better:
+        if best != current and scores[best] > scores[current] * (1 + self.config.switch_margin):
             self._steps_on_tier = 0
             return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",
                             inputs)
         return Decision(current, "current tier is within the margin of the best", inputs)
-
-    def _judge_probe(self, next_k: int) -> None:
-        """A probe that ends back where it started doubles the wait before the next one (up to
-        8x); one that the scores keep, or that leads deeper, resets it."""
-        if next_k <= self._probed_from:
-            self._probe_interval = min(8 * self.config.probe_interval_steps,
-                                       2 * self._probe_interval)
-        else:
-            self._probe_interval = self.config.probe_interval_steps
-        self._probed_from = None
