@@ -19,6 +19,7 @@ import ray
 STALE_AFTER_S = 3.0
 # Per-position counts from the replicas decay with this factor per push, a sliding window.
 PRIOR_DECAY = 0.8
+CLASS_REFRESH_S = 0.25
 
 
 class ClusterState:
@@ -34,6 +35,8 @@ class ClusterState:
         self._override_changed_at = 0.0
         # router id -> (when reported, {replica id: requests in flight from that router})
         self._routed: dict[str, tuple[float, dict[str, int]]] = {}
+        self._class_acceptance: dict[str, float] = {}
+        self._class_computed_at = float("-inf")
 
     def report_routed(self, router_id: str, in_flight: dict[str, int],
                       now: float | None = None) -> None:
@@ -58,6 +61,7 @@ class ClusterState:
         self._decay_into(replica_id, stats.get("window_accepted", ()),
                          stats.get("window_drafted", ()))
         self.expire(now)
+        self.class_acceptance(now)
         return self.view(replica_id)
 
     def _decay_into(self, replica_id: str, accepted: Any, drafted: Any) -> None:
@@ -94,6 +98,21 @@ class ClusterState:
             prior.append(accepted / drafted)
         return tuple(prior)
 
+    def class_acceptance(self, now: float) -> dict[str, float]:
+        """Per request class, the mean first-draft acceptance the replicas report (recomputed
+        at most every `CLASS_REFRESH_S`: it moves slowly, and a fleet pushes often)."""
+        if now - self._class_computed_at < CLASS_REFRESH_S:
+            return self._class_acceptance
+        sums: dict[str, list[float]] = {}
+        for stats in self.replicas.values():
+            for request_class, value in (stats.get("class_acceptance") or {}).items():
+                entry = sums.setdefault(request_class, [0.0, 0])
+                entry[0] += value
+                entry[1] += 1
+        self._class_computed_at = now
+        self._class_acceptance = {c: total / n for c, (total, n) in sums.items()}
+        return self._class_acceptance
+
     def view(self, replica_id: str) -> dict[str, Any]:
         mine = self.replicas.get(replica_id, {})
         ongoing = mine.get("ongoing", 0)
@@ -107,6 +126,7 @@ class ClusterState:
             "acceptance_prior": self.acceptance_prior(),
             "peer_tiers": tuple(s.get("active_k", 0) for rid, s in self.replicas.items()
                                 if rid != replica_id),
+            "class_acceptance": self._class_acceptance,
             "policy_override": self.policy_override,
         }
 

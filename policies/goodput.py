@@ -16,9 +16,11 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   whose acceptance comes in runs (prompt lookup: a copied span lands whole). So after
   `probe_interval_steps` on a tier whose next tier's positions have no fresh evidence, the
   policy runs that next tier for one dwell period to measure (bounded exploration: at most two
-  switches per interval; nothing else switches during a dwell). The cluster's acceptance prior
-  does not replace the probe: under acceptance-aware routing a replica's traffic may differ
-  from the fleet's.
+  switches per interval; nothing else switches during a dwell). At K=0 the request classes
+  now on the replica are a hint too: when their past first-draft acceptance (this replica's,
+  else the fleet's) says the smallest tier would win, the policy measures it at once instead of
+  waiting out the interval. The cluster's acceptance prior does not replace the probe: under
+  acceptance-aware routing a replica's traffic may differ from the fleet's.
 - Step costs are measured on this replica every step (seeded by a profile table), not only
   profiled once, and interpolated piecewise in batch size so the regime knee is kept.
 - A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate.
@@ -171,11 +173,14 @@ class GoodputPolicy:
         self._steps = 0
         self._last_drafted = [0] * max(1, max(candidates))  # step count when last drafted
 
+    def _batch(self, signals: Signals) -> int:
+        return signals.verify_batch(signals.effective_concurrency if
+                                    self.config.concurrency_source == "effective"
+                                    else signals.local_batch)
+
     def scores(self, signals: Signals, rates: list[float]) -> dict[int, float]:
         """Expected tokens/s per candidate (empty until some step cost is known)."""
-        batch = signals.verify_batch(signals.effective_concurrency if
-                                     self.config.concurrency_source == "effective"
-                                     else signals.local_batch)
+        batch = self._batch(signals)
         scores = {}
         for k in self.candidates:
             seconds = self.costs.predict(batch, k)
@@ -204,6 +209,10 @@ class GoodputPolicy:
         if self._steps_on_tier < self.config.min_dwell_steps:
             return Decision(current, "dwell", inputs)
         deeper = [k for k in self.candidates if k > current]
+        if current == 0 and deeper and self._classes_expect_drafts(signals, scores, deeper[0]):
+            self._steps_on_tier = 0
+            return Decision(deeper[0], "probe: these request classes landed drafts before",
+                            inputs)
         interval = self.config.probe_interval_steps
         if deeper and self._steps_on_tier >= interval and \
                 self._steps - self._last_drafted[deeper[0] - 1] >= interval:
@@ -214,3 +223,19 @@ class GoodputPolicy:
             return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",
                             inputs)
         return Decision(current, "current tier is within the margin of the best", inputs)
+
+    def _classes_expect_drafts(self, signals: Signals, scores: dict[int, float],
+                               tier: int) -> bool:
+        """At K=0: would `tier` win if drafts landed as these request classes' did before?
+        Checked only after a few dwells without drafting, so a hint that turns out wrong
+        (the classes' statistics then fall) costs one dwell now and then."""
+        hint = signals.batch_class_acceptance
+        if hint is None or self._steps - self._last_drafted[0] < 4 * \
+                self.config.min_dwell_steps:
+            return False
+        batch = self._batch(signals)
+        seconds = self.costs.predict(batch, tier)
+        if seconds is None:
+            return False
+        hinted = batch * (1 + sum(hint ** (k + 1) for k in range(tier))) / seconds
+        return hinted > scores[0] * (1 + self.config.switch_margin)

@@ -76,6 +76,10 @@ class Signals:
     now_s: float = 0.0
     max_batch: int | None = None
     """The most sequences the engine runs in one step (its max_num_seqs), when known."""
+    batch_class_acceptance: float | None = None
+    """First-draft acceptance that the classes of the requests now on the replica showed before
+    (the replica's class statistics, else the fleet's); None when no class is known. It is
+    the only hint at K=0, where nothing is drafted."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

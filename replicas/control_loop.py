@@ -21,7 +21,8 @@ from replicas.tier_pool import TierPool, TierSwitch
 def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: int,
                cluster: ClusterView | None = None,
                requests: tuple[RequestAcceptance, ...] = (), now_s: float = 0.0,
-               max_batch: int | None = None) -> Signals:
+               max_batch: int | None = None,
+               batch_class_acceptance: float | None = None) -> Signals:
     """Sum a window of step records into Signals; per-position counts padded to max K."""
     width = max(candidates)
     accepted, drafted = [0] * width, [0] * width
@@ -38,7 +39,8 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         # A step's K is the one in force when it ran; steps of unknown length are left out.
         step_costs=tuple(StepCost(s.running, s.k, s.wall_s) for s in steps
                          if s.wall_s > 0 and s.running > 0),
-        requests=requests, cluster=cluster, now_s=now_s, max_batch=max_batch)
+        requests=requests, cluster=cluster, now_s=now_s, max_batch=max_batch,
+        batch_class_acceptance=batch_class_acceptance)
 
 
 @dataclass
@@ -55,13 +57,15 @@ class ControlLoop:
     def __init__(self, engine: Engine, pool: TierPool, policy: Policy,
                  decide_every_steps: int = 4,
                  request_acceptance: Callable[[], tuple[RequestAcceptance, ...]] | None = None,
-                 max_batch: int | None = None):
+                 max_batch: int | None = None,
+                 class_acceptance: Callable[[], float | None] | None = None):
         self.engine = engine
         self.pool = pool
         self.policy = policy
         self.decide_every_steps = decide_every_steps
         self._request_acceptance = request_acceptance
         self.max_batch = max_batch
+        self._class_acceptance = class_acceptance
         self._pending: list[StepRecord] = []
         self.stats = LoopStats()
 
@@ -77,8 +81,9 @@ class ControlLoop:
         if len(self._pending) < self.decide_every_steps:
             return steps, None, None
         requests = self._request_acceptance() if self._request_acceptance else ()
+        hint = self._class_acceptance() if self._class_acceptance else None
         signals = fold_steps(self._pending, self.pool.candidates, self.pool.active_k,
-                             cluster, requests, time.monotonic(), self.max_batch)
+                             cluster, requests, time.monotonic(), self.max_batch, hint)
         self._pending = []
         started = time.perf_counter()
         decision = self.policy.decide(signals)

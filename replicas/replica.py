@@ -57,7 +57,8 @@ class EngineReplica:
         self.loop = ControlLoop(self.engine, self.pool, build_policy(policy, self.pool.candidates),
                                 decide_every_steps,
                                 getattr(self.engine, "request_acceptance", None),
-                                max_batch=spec.max_num_seqs)
+                                max_batch=spec.max_num_seqs,
+                                class_acceptance=self._batch_class_acceptance)
         self.policy_config = parse_policy_config(policy).model_dump()
         tracing.configure_tracing("specserve-replica")
         self.metrics = ReplicaMetrics(self.replica_id, self.pool.candidates)
@@ -81,6 +82,7 @@ class EngineReplica:
         # the last report, and its decayed value: what the router matches requests against.
         self._first_draft = [0, 0]
         self._first_acceptance: float | None = None
+        self._fleet_class_acceptance: dict[str, float] = {}
         self._control = asyncio.create_task(self._control_forever())
         logger.info("replica %s ready: engine=%s candidates=%s K=%d", self.replica_id,
                     self.engine.name, self.pool.candidates, self.pool.active_k)
@@ -226,6 +228,7 @@ class EngineReplica:
         counters = self.engine.counters()
         self.cluster = ClusterView.from_hub(view, max(self.ongoing,
                                                       counters.running + counters.waiting))
+        self._fleet_class_acceptance = view.get("class_acceptance") or {}
         override = view.get("policy_override")
         if override and override["issued_at"] > self._applied_issued_at:
             # A fleet-wide change made while this replica was away (or before it started).
@@ -299,6 +302,13 @@ class EngineReplica:
         if drafting:
             self._first_acceptance = blend_rate(self._first_acceptance, landed / drafting)
             self._first_draft = [0, 0]
+
+    def _batch_class_acceptance(self) -> float | None:
+        """Mean past first-draft acceptance of the classes of the requests on this replica."""
+        known = [value for value in (
+            self._class_acceptance.get(c, self._fleet_class_acceptance.get(c))
+            for c in self._request_class.values()) if value is not None]
+        return sum(known) / len(known) if known else None
 
     def record_routing_stats(self) -> dict[str, Any]:
         self._update_class_acceptance()

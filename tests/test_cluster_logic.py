@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from app.router import ReplicaLoad, expected_acceptance, rank_replicas
 from app.telemetry_hub import ClusterState
 from policies.registry import build_policy
@@ -54,6 +56,13 @@ def test_hub_view_counts_effective_concurrency_and_builds_the_prior():
     # A replica that stopped pushing leaves the view.
     hub.push("b", {"running": 0, "waiting": 0, "ongoing": 0, "active_k": 1}, now=4.0)
     assert set(hub.replicas) == {"b"}
+
+
+def test_hub_shares_the_fleets_class_acceptance():
+    state = ClusterState()
+    state.push("a", {"class_acceptance": {"greedy": 0.9, "sampled": 0.1}}, now=0.0)
+    view = state.push("b", {"class_acceptance": {"greedy": 0.7}}, now=1.0)
+    assert view["class_acceptance"] == {"greedy": pytest.approx(0.8), "sampled": 0.1}
 
 
 def test_fold_keeps_per_position_counts_unbiased_across_k_changes():

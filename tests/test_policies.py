@@ -134,6 +134,18 @@ def test_goodput_probes_the_next_tier_when_nothing_measured_it():
     assert ks.count(3) == 1 and ks[-1] == 1
 
 
+def test_goodput_at_zero_measures_at_once_when_the_request_classes_landed_drafts_before():
+    def at_zero(hint: float | None) -> list[int]:
+        policy = goodput()
+        settle(policy, acceptance=0.0, batch=8, rounds=8)  # to K=0, nothing drafted since
+        signals = Signals(**{**window(0, 0.0, batch=8).__dict__,
+                             "batch_class_acceptance": hint})
+        return [policy.decide(signals).k for _ in range(10)]
+
+    assert at_zero(0.95)[-1] == 1, "greedy-copy classes arrived: measure now"
+    assert set(at_zero(0.01)) == {0} and set(at_zero(None)) == {0}
+
+
 def test_goodput_prices_the_batch_the_engine_can_run():
     """Demand beyond the engine's max batch waits; it adds no verify work to price."""
     backlog = Signals(**{**window(3, 0.8, batch=8).__dict__, "max_batch": 8,
