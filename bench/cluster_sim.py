@@ -46,7 +46,7 @@ from bench.policy_replay import CANDIDATES
 from bench.policy_replay import policy_config as replay_policy_config
 from bench.report import print_table
 from policies.registry import build_policy
-from policies.signals import ClusterView, blend_rate
+from policies.signals import ClusterView, batch_class_acceptance, blend_rate
 from replicas.control_loop import ControlLoop
 from replicas.engines.base import GenerationRequest, add_per_position
 from replicas.engines.sim_engine import SimulatedEngine
@@ -138,10 +138,8 @@ class SimReplica:
 
     def batch_class_acceptance(self) -> float | None:
         """As the replica deployment: its requests' classes' past first-draft acceptance."""
-        known = [value for value in (
-            self.class_acceptance.get(c, self.fleet_class_acceptance.get(c))
-            for c in (t.arrival.request_class for t in self.in_flight)) if value is not None]
-        return sum(known) / len(known) if known else None
+        return batch_class_acceptance((t.arrival.request_class for t in self.in_flight),
+                                      self.class_acceptance, self.fleet_class_acceptance)
 
     @property
     def load(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,3 +118,11 @@ class Decision:
 def blend_rate(old: float | None, fresh: float, weight_new: float = 0.3) -> float:
     """A decayed rate as replicas report it (to routers and the hub): new windows weigh 30%."""
     return fresh if old is None else old + weight_new * (fresh - old)
+
+
+def batch_class_acceptance(classes: Iterable[str], own: dict[str, float],
+                           fleet: dict[str, float]) -> float | None:
+    """Mean past first-draft acceptance of these request classes: the replica's own statistics
+    for a class, else the fleet's; None when no class is known at all."""
+    known = [value for value in (own.get(c, fleet.get(c)) for c in classes) if value is not None]
+    return sum(known) / len(known) if known else None

@@ -21,7 +21,7 @@ from ray import serve
 from observability import tracing
 from observability.metrics import ReplicaMetrics
 from policies.registry import build_policy, parse_policy_config
-from policies.signals import ClusterView, Decision, blend_rate
+from policies.signals import ClusterView, Decision, batch_class_acceptance, blend_rate
 from replicas.control_loop import ControlLoop
 from replicas.engines.base import EngineInputError, GenerationRequest, add_per_position
 from replicas.engines.factory import build_engine
@@ -305,10 +305,8 @@ class EngineReplica:
 
     def _batch_class_acceptance(self) -> float | None:
         """Mean past first-draft acceptance of the classes of the requests on this replica."""
-        known = [value for value in (
-            self._class_acceptance.get(c, self._fleet_class_acceptance.get(c))
-            for c in self._request_class.values()) if value is not None]
-        return sum(known) / len(known) if known else None
+        return batch_class_acceptance(self._request_class.values(), self._class_acceptance,
+                                      self._fleet_class_acceptance)
 
     def record_routing_stats(self) -> dict[str, Any]:
         self._update_class_acceptance()
