@@ -370,9 +370,10 @@ def plot(runs: dict[int, dict[str, Any]], path: Path) -> None:
                       [f"{n} replicas" for n in scales])
         ax.set_title(title)
     ax_s.set_yscale("symlog")
-    ax_g.legend(fontsize=7, ncol=2)
+    handles, labels = ax_g.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(MODES), fontsize=7)
     fig.suptitle("Cluster simulation (SIMULATOR engines, real router ranking and hub logic)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
 
 
