@@ -1,10 +1,12 @@
 """`goodput`: pick the K that maximises expected tokens per second, from measured costs.
 
-    score(K) = B * (1 + sum_{k<K} p[k]) / step_time(B, K)
+    score(K) = B * (1 + q * sum_{k<K} p[k]) / step_time(B, K)
 
 B is the replica's concurrency (by default its *effective* concurrency from the cluster view:
-running + waiting + routed-not-admitted), p[k] the share of drafts with more than k tokens
-accepted, and step_time(B, K) the engine step time, learned online per K as a line in B.
+running + waiting + routed-not-admitted), q the share of sequence-steps that proposed drafts
+at all (prompt lookup proposes nothing where the context has no match), p[k] the share of
+proposals with more than k tokens accepted, and step_time(B, K) the engine step time, learned
+online per K.
 
 Follows SmartSpec/TurboSpec (argmax of goodput over profiled latency) and vLLM's original
 dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
@@ -170,6 +172,7 @@ class GoodputPolicy:
         self.acceptance = AcceptanceWindow(max(1, max(candidates)), config.acceptance_decay,
                                            config.prior_strength)
         self._steps_on_tier = 0
+        self._share = (0.0, 0.0)  # decayed (sequence-steps that proposed, that could have)
         self._steps = 0
         self._last_drafted = [0] * max(1, max(candidates))  # step count when last drafted
 
@@ -185,11 +188,22 @@ class GoodputPolicy:
         for k in self.candidates:
             seconds = self.costs.predict(batch, k)
             if seconds is not None:
-                scores[k] = batch * (1 + sum(rates[:k])) / seconds
+                scores[k] = batch * (1 + self.draft_share * sum(rates[:k])) / seconds
         return scores
+
+    @property
+    def draft_share(self) -> float:
+        """Share of sequence-steps at K > 0 that proposed drafts (1 until measured)."""
+        proposed, ran = self._share
+        return proposed / ran if ran else 1.0
 
     def decide(self, signals: Signals) -> Decision:
         self.acceptance.update(signals.accepted_per_pos, signals.drafted_per_pos)
+        if signals.drafting_sequence_steps:
+            decay = self.config.acceptance_decay
+            self._share = (self._share[0] * decay + min(signals.drafts,
+                                                        signals.drafting_sequence_steps),
+                           self._share[1] * decay + signals.drafting_sequence_steps)
         for cost in signals.step_costs:
             self.costs.observe(cost)
         self._steps_on_tier += signals.steps
@@ -237,5 +251,6 @@ class GoodputPolicy:
         seconds = self.costs.predict(batch, tier)
         if seconds is None:
             return False
-        hinted = batch * (1 + sum(hint ** (k + 1) for k in range(tier))) / seconds
+        hinted = batch * (1 + self.draft_share * sum(hint ** (k + 1) for k in range(tier))) / \
+            seconds
         return hinted > scores[0] * (1 + self.config.switch_margin)

@@ -67,6 +67,9 @@ class Signals:
     waiting: int
     drafts: int = 0
     """Sequence-steps that carried at least one draft token."""
+    drafting_sequence_steps: int = 0
+    """Sequence-steps run at K > 0, with or without a proposal: prompt-lookup proposes nothing
+    where the context has no match, so `drafts` can be far fewer."""
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()

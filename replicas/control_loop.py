@@ -34,6 +34,7 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         candidates=candidates, current_k=current_k, steps=len(steps),
         running=last.running if last else 0, waiting=last.waiting if last else 0,
         drafts=sum(s.drafts for s in steps), draft_tokens=sum(s.draft_tokens for s in steps),
+        drafting_sequence_steps=sum(s.running for s in steps if s.k > 0),
         accepted_tokens=sum(s.accepted_tokens for s in steps),
         accepted_per_pos=tuple(accepted), drafted_per_pos=tuple(drafted),
         # A step's K is the one in force when it ran; steps of unknown length are left out.

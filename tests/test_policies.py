@@ -17,15 +17,17 @@ CANDIDATES = (0, 1, 3, 7, 15)
 
 
 def window(k: int, acceptance: float, batch: int = 4, steps: int = 4,
-           cluster: ClusterView | None = None) -> Signals:
-    """Expected counts of a window where each draft position lands with probability
-    `acceptance` given the previous one landed (p[k] = acceptance ** (k + 1))."""
-    drafts = batch * steps if k else 0
+           cluster: ClusterView | None = None, proposing: float = 1.0) -> Signals:
+    """Expected counts of a window where a share `proposing` of the sequence-steps propose
+    drafts and each draft position lands with probability `acceptance` given the previous one
+    landed (p[k] = acceptance ** (k + 1))."""
+    drafts = round(batch * steps * proposing) if k else 0
     accepted = tuple(round(drafts * acceptance ** (pos + 1)) if pos < k else 0
                      for pos in range(15))
     drafted = tuple(drafts if pos < k else 0 for pos in range(15))
     return Signals(candidates=CANDIDATES, current_k=k, steps=steps, running=batch, waiting=0,
                    drafts=drafts, draft_tokens=drafts * k, accepted_tokens=sum(accepted),
+                   drafting_sequence_steps=batch * steps if k else 0,
                    accepted_per_pos=accepted, drafted_per_pos=drafted, cluster=cluster)
 
 
@@ -146,6 +148,17 @@ def test_goodput_at_zero_measures_at_once_when_the_request_classes_landed_drafts
     assert set(at_zero(0.01)) == {0} and set(at_zero(None)) == {0}
 
 
+def test_goodput_counts_only_the_steps_that_proposed_drafts():
+    """Prompt lookup proposes nothing without a match: drafts that land well but rarely are
+    worth little, and deep tiers then cost more than they return."""
+    assert settle(goodput(), acceptance=0.9, batch=8) >= 7
+    rare = goodput()
+    k = 3
+    for _ in range(30):
+        k = rare.decide(window(k, 0.9, batch=8, proposing=0.05)).k
+    assert k <= 1 and rare.draft_share == pytest.approx(2 / 32)  # 2 of 8 x 4 proposed
+
+
 def test_goodput_prices_the_batch_the_engine_can_run():
     """Demand beyond the engine's max batch waits; it adds no verify work to price."""
     backlog = Signals(**{**window(3, 0.8, batch=8).__dict__, "max_batch": 8,
@@ -189,10 +202,12 @@ def test_goodput_new_replica_starts_from_the_cluster_prior():
     prior = ClusterView(effective_concurrency=1, acceptance_prior=(0.99,) * 15)
     pessimistic = ClusterView(effective_concurrency=1, acceptance_prior=(0.01,) * 15)
     fresh = window(3, 0.0, batch=1, steps=1)
-    assert goodput().decide(Signals(**{**fresh.__dict__, "drafts": 0, "cluster": prior,
-                                       "accepted_per_pos": (), "drafted_per_pos": ()})).k == 15
-    assert goodput().decide(Signals(**{**fresh.__dict__, "drafts": 0, "cluster": pessimistic,
-                                       "accepted_per_pos": (), "drafted_per_pos": ()})).k == 0
+    nothing_yet = {"drafts": 0, "drafting_sequence_steps": 0, "accepted_per_pos": (),
+                   "drafted_per_pos": ()}
+    assert goodput().decide(Signals(**{**fresh.__dict__, **nothing_yet, "cluster": prior})).k \
+        == 15
+    assert goodput().decide(Signals(**{**fresh.__dict__, **nothing_yet,
+                                       "cluster": pessimistic})).k == 0
 
 
 # ---- stability (DSDE) -------------------------------------------------------------------------
