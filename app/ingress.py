@@ -8,6 +8,7 @@ shapes follow OpenAI's API (and vLLM's `ignore_eos` extension).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import os
@@ -21,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -32,6 +34,7 @@ from policies.registry import parse_policy_config
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
 MAX_BODY_BYTES = 1 << 20
+HEALTH_TIMEOUT_S = 5.0
 GREEDY_BELOW = 1e-5  # temperature under which sampling is argmax (vLLM's threshold)
 
 
@@ -112,16 +115,27 @@ def error_response(error: APIError) -> JSONResponse:
                                    error.code), status_code=error.status, headers=headers)
 
 
-async def first_chunk(stream: Any, span: Any) -> dict[str, Any]:
-    try:
-        return await stream.__anext__()
-    except StopAsyncIteration:
-        return {"text": "", "token_ids": [], "prompt_tokens": 0, "completion_tokens": 0,
-                "finish_reason": "stop", "logprobs": None}
-    except Exception as error:
-        tracing.finish_span(span, error=error)
-        raise APIError(503, f"no engine replica could serve the request: {error}",
-                       "server_error") from error
+async def open_stream(engine: DeploymentHandle, payload: dict[str, Any], span: Any
+                      ) -> tuple[Any, dict[str, Any]]:
+    """Start generation and wait for its first chunk, so errors surface before any byte is
+    sent. A replica that dies before answering gets the request sent once more (nothing has
+    reached the client yet); any other failure, or a second death, is a 503."""
+    failure: Exception | None = None
+    for _ in range(2):
+        stream = engine.options(stream=True).generate.remote(payload)
+        try:
+            return stream, await stream.__anext__()
+        except StopAsyncIteration:
+            return stream, {"text": "", "token_ids": [], "prompt_tokens": 0,
+                            "completion_tokens": 0, "finish_reason": "stop", "logprobs": None}
+        except RayActorError as error:  # the replica died before answering: once more
+            failure = error
+        except Exception as error:
+            failure = error
+            break
+    tracing.finish_span(span, error=failure)
+    raise APIError(503, f"no engine replica could serve the request: {failure}",
+                   "server_error") from failure
 
 
 
@@ -194,6 +208,12 @@ class Ingress:
 
     @fastapi_app.get("/health")
     async def health(self) -> dict[str, str]:
+        """Ready when an engine replica answers (no API key: load balancers probe it)."""
+        try:
+            await asyncio.wait_for(self.engine.ready.remote(), HEALTH_TIMEOUT_S)
+        except Exception as error:  # no replica, a dead engine, or none answered in time
+            raise APIError(503, f"no engine replica is ready: {error!r}", "server_error",
+                           code="not_ready") from error
         return {"status": "ok"}
 
     @fastapi_app.get("/v1/models")
@@ -229,9 +249,8 @@ class Ingress:
         span = tracing.start_ingress_span(f"POST {route}", request.headers,
                                           request_id=payload["request_id"], model=body.model)
         payload["trace_context"] = tracing.inject_context(span)
-        stream = self.engine.options(stream=True).generate.remote(payload)
         started = time.perf_counter()
-        first = await first_chunk(stream, span)  # errors surface before any byte is sent
+        stream, first = await open_stream(self.engine, payload, span)
         if "error" in first:
             tracing.finish_span(span, error=APIError(400, first["error"]["message"]))
             self.metrics.record_request(body.model, e2e_s=time.perf_counter() - started,

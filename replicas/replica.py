@@ -335,6 +335,18 @@ class EngineReplica:
     def metrics_snapshot(self) -> dict[str, Any]:
         return self.metrics.snapshot()
 
+    async def check_health(self) -> None:
+        """Serve's periodic health check: a dead engine or control loop gets the replica
+        restarted (its tier pool is rebuilt and it takes the cluster prior again)."""
+        if self._control.done():
+            raise RuntimeError("the replica's control loop stopped")
+        await self.engine.check_health()
+
+    async def ready(self) -> bool:
+        """For the ingress's /health: answers only when this replica can serve."""
+        await self.check_health()
+        return True
+
     async def __del__(self) -> None:
         self._control.cancel()
         await self.engine.shutdown()

@@ -139,6 +139,10 @@ class SglangEngine:
     def counters(self) -> EngineCounters:
         return self._totals.snapshot(k=self._k)
 
+    async def check_health(self) -> None:
+        if self._engine is None or (self._receiver is not None and self._receiver.done()):
+            raise RuntimeError("the SGLang engine or its verify-record receiver stopped")
+
     async def shutdown(self) -> None:
         if self._receiver is not None:
             self._receiver.cancel()

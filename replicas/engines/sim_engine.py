@@ -87,6 +87,10 @@ class SimulatedEngine:
             self._loop.cancel()
             self._loop = None
 
+    async def check_health(self) -> None:
+        if self._loop is None or self._loop.done():
+            raise RuntimeError("the simulator's step loop is not running")
+
     async def set_k(self, k: int) -> None:
         if not 0 <= k <= self.kmax:
             raise ValueError(f"K={k} outside [0, {self.kmax}]")

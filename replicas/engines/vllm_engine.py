@@ -301,6 +301,9 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
+    async def check_health(self) -> None:
+        await self.llm.check_health()  # raises EngineDeadError when EngineCore is gone
+
     def drain_steps(self) -> list[StepRecord]:
         records, self._steps.records = self._steps.records, []
         return records
