@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.openai_format import ChatFormat, CompletionFormat, error_body, sse
+from app.openai_format import ChatFormat, CompletionFormat, error_body, json_body, sse
 from observability import tracing
 from observability.exposition import CONTENT_TYPE, render_prometheus
 from observability.metrics import RequestMetrics
@@ -222,13 +222,13 @@ class Ingress:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model",
                                             "created": 0, "owned_by": "specserve"}]}
 
-    @fastapi_app.post("/v1/completions")
+    @fastapi_app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(self, request: Request) -> Any:
         body: CompletionRequest = await self._body(request, CompletionRequest)
         payload = self._payload(body, prompt=body.text(), logprobs=body.logprobs)
         return await self._respond(request, body, payload, chat=False)
 
-    @fastapi_app.post("/v1/chat/completions")
+    @fastapi_app.post("/v1/chat/completions", openapi_extra=json_body(ChatRequest))
     async def chat_completions(self, request: Request) -> Any:
         body: ChatRequest = await self._body(request, ChatRequest)
         messages = [m.model_dump() for m in body.messages]

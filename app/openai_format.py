@@ -7,6 +7,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import BaseModel
+
 
 def error_body(status: int, message: str, kind: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
@@ -94,3 +96,22 @@ async def sse(chunks: AsyncIterator[dict[str, Any]], formatter: CompletionFormat
         yield f"data: {json.dumps(error_body(500, str(failure), 'server_error'))}\n\n"
     finally:
         await finish(last, error)
+
+
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI `requestBody` for a route that parses its body itself (for size limits and
+    OpenAI-style errors), so clients and schema-driven fuzzers see the fields."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(definitions[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(value) for value in node]
+        return node
+
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": inline(schema)}}}}

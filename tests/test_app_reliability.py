@@ -10,7 +10,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import schemathesis
 import yaml
+from hypothesis import HealthCheck, settings
 
 from bench.load import run_load
 from tests.conftest import REPO_ROOT, deploy_config
@@ -19,6 +21,7 @@ KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_ONGOING, MAX_QUEUED, REPLICAS = 2, 2, 2
 # Sampled text on the simulator: about one token per step, so these take seconds.
+FUZZ_EXAMPLES = 25  # per route
 SLOW = {"model": "target", "prompt": "def slow():", "max_tokens": 400, "temperature": 0.8}
 
 
@@ -117,6 +120,26 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(app_url):
         time.sleep(0.2)
     assert running(app_url) == 0
     assert finished and finished[0] >= 100  # its chunks all arrived (120 tokens, some merged)
+
+
+@pytest.fixture(scope="module")
+def served_schema(app_url):
+    return schemathesis.openapi.from_url(f"{app_url}/openapi.json")
+
+
+fuzzed = schemathesis.pytest.from_fixture("served_schema")
+
+
+@fuzzed.parametrize()
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+def test_fuzzing_the_openapi_schema_finds_no_5xx(case, app_url):
+    """Bounded schema-driven fuzzing of every route (with the key), simulator engine. The
+    served model's name is kept so that generated sampling fields reach the engine (an
+    unknown model is its own bad-input row)."""
+    if isinstance(case.body, dict) and "model" in case.body:
+        case.body["model"] = "target"
+    response = case.call(base_url=app_url, headers=AUTH, timeout=60)
+    assert response.status_code < 500, (case.method, case.path, case.body, response.text)
 
 
 def test_serving_continues_on_local_signals_while_the_hub_is_killed(app_url):
