@@ -62,11 +62,12 @@ async def run_load(url: str, requests: int, concurrency: int, time_limit_s: floa
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     started = time.monotonic()
     finished = 0
+    kill_started = False
     gate = asyncio.Semaphore(concurrency)
     rng = random.Random(0)
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
-        nonlocal finished
+        nonlocal finished, kill_started
         body = {"model": "target", "prompt": PROMPTS[i % len(PROMPTS)],
                 "max_tokens": rng.randint(16, 64), "temperature": 0.0 if i % 2 else 0.8}
         async with gate:
@@ -88,8 +89,8 @@ async def run_load(url: str, requests: int, concurrency: int, time_limit_s: floa
                 else:
                     statuses[str(response.status_code)] += 1
             finished += 1
-            if kill_at is not None and report.killed_replica is None and \
-                    finished >= kill_at * requests:
+            if kill_at is not None and not kill_started and finished >= kill_at * requests:
+                kill_started = True  # once, though several requests cross the mark together
                 report.killed_replica = await asyncio.to_thread(kill)
 
     async with httpx.AsyncClient() as client:
