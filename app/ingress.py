@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import os
 import time
 import uuid
@@ -36,6 +37,9 @@ API_KEY_ENV = "SPECSERVE_API_KEY"
 MAX_BODY_BYTES = 1 << 20
 HEALTH_TIMEOUT_S = 5.0
 GREEDY_BELOW = 1e-5  # temperature under which sampling is argmax (vLLM's threshold)
+# vLLM seeds a torch.Generator per request, which takes a 64-bit signed integer.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+logger = logging.getLogger("ray.serve")
 
 
 class StreamOptions(BaseModel):
@@ -54,7 +58,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     ignore_eos: bool = False
     user: str | None = None
 
@@ -108,11 +112,41 @@ class APIError(Exception):
         self.status, self.message, self.kind, self.param, self.code = (
             status, message, kind, param, code)
 
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.kind, self.param, self.code)
+
+
+def generation_failed(request_id: str, error: BaseException) -> APIError:
+    """A request cut off after it started (its replica died, say): logged with the cause,
+    answered without it, since a Ray error's text is the replica's traceback."""
+    logger.error("request %s: generation failed: %r", request_id, error)
+    return APIError(500, f"generation failed (request id {request_id})", "server_error")
+
+
+def lone_surrogate_at(node: Any, path: str = "") -> str | None:
+    """The path of a string in a JSON value that is not valid Unicode, if any.
+
+    JSON's escapes can spell half of a UTF-16 surrogate pair ("\\ud800"); Python decodes it
+    into a str that no tokenizer can encode, so it is refused at the door rather than failing
+    deep in the engine."""
+    if isinstance(node, str):
+        try:
+            node.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    children = node.items() if isinstance(node, dict) else enumerate(node) \
+        if isinstance(node, list) else ()
+    for key, value in children:
+        found = lone_surrogate_at(value, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
 
 def error_response(error: APIError) -> JSONResponse:
     headers = {"Retry-After": "1"} if error.status in (429, 503) else None
-    return JSONResponse(error_body(error.status, error.message, error.kind, error.param,
-                                   error.code), status_code=error.status, headers=headers)
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def open_stream(engine: DeploymentHandle, payload: dict[str, Any], span: Any
@@ -134,8 +168,11 @@ async def open_stream(engine: DeploymentHandle, payload: dict[str, Any], span: A
             failure = error
             break
     tracing.finish_span(span, error=failure)
-    raise APIError(503, f"no engine replica could serve the request: {failure}",
-                   "server_error") from failure
+    # The cause (a Ray error carries the replica's traceback) goes to the log, not the client.
+    logger.error("request %s: no engine replica could serve it: %r", payload["request_id"],
+                 failure)
+    raise APIError(503, f"no engine replica could serve the request (request id "
+                        f"{payload['request_id']})", "server_error") from failure
 
 
 
@@ -155,6 +192,12 @@ async def _validation_error(_: Request, error: RequestValidationError) -> JSONRe
     if first.get("type") == "json_invalid":
         message = "request body is not valid JSON"
     return error_response(APIError(400, message, param=param))
+
+
+@fastapi_app.exception_handler(Exception)
+async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(APIError(500, "internal server error", "server_error"))
 
 
 @fastapi_app.exception_handler(StarletteHTTPException)
@@ -192,6 +235,11 @@ class Ingress:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise APIError(400, f"request body is not valid JSON: {error}") from error
+        if (where := lone_surrogate_at(data)) is not None:
+            raise APIError(400, "text must be valid Unicode: the request holds a lone UTF-16 "
+                                "surrogate escape (such as \\ud800)",
+                           # a key may hold one too, and the error body must encode
+                           param=where.encode("utf-8", "backslashreplace").decode())
         try:
             body = model.model_validate(data)
         except ValidationError as error:
@@ -212,7 +260,8 @@ class Ingress:
         try:
             await asyncio.wait_for(self.engine.ready.remote(), HEALTH_TIMEOUT_S)
         except Exception as error:  # no replica, a dead engine, or none answered in time
-            raise APIError(503, f"no engine replica is ready: {error!r}", "server_error",
+            logger.warning("health: no engine replica is ready: %r", error)
+            raise APIError(503, "no engine replica is ready", "server_error",
                            code="not_ready") from error
         return {"status": "ok"}
 
@@ -278,8 +327,12 @@ class Ingress:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse(chunks(), formatter, include_usage, finish),
-                                     media_type="text/event-stream")
+
+            def failure_body(error: BaseException) -> dict[str, Any]:
+                return generation_failed(payload["request_id"], error).body()
+
+            return StreamingResponse(sse(chunks(), formatter, include_usage, finish,
+                                         failure_body), media_type="text/event-stream")
         last: dict[str, Any] | None = None
         text: list[str] = []
         logprobs: list[dict[str, float]] = []
@@ -292,7 +345,7 @@ class Ingress:
                 finish_reason = chunk["finish_reason"] or finish_reason
         except Exception as error:
             await finish(last, error)
-            raise APIError(500, f"generation failed: {error}", "server_error") from error
+            raise generation_failed(payload["request_id"], error) from error
         await finish(last, None)
         return formatter.full("".join(text), finish_reason, last, logprobs or None)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import BaseModel
@@ -79,7 +79,8 @@ def _logprobs(entries: list[dict[str, float]] | None) -> dict[str, Any] | None:
 
 
 async def sse(chunks: AsyncIterator[dict[str, Any]], formatter: CompletionFormat,
-               include_usage: bool, finish: Any) -> AsyncIterator[str]:
+               include_usage: bool, finish: Any,
+               failure_body: Callable[[BaseException], dict[str, Any]]) -> AsyncIterator[str]:
     last: dict[str, Any] | None = None
     error: BaseException | None = None
     try:
@@ -93,7 +94,7 @@ async def sse(chunks: AsyncIterator[dict[str, Any]], formatter: CompletionFormat
         yield "data: [DONE]\n\n"
     except Exception as failure:  # mid-stream: the status line is gone, report in-band
         error = failure
-        yield f"data: {json.dumps(error_body(500, str(failure), 'server_error'))}\n\n"
+        yield f"data: {json.dumps(failure_body(failure))}\n\n"
     finally:
         await finish(last, error)
 

@@ -4,7 +4,8 @@
         --time-limit 300 --kill-replica-at 0.5 --json out.json
 
 Reports requests sent, accepted (the server answered with a status, or took the request and
-then failed to answer), completed (200 with a full body), failed by status, and lost:
+then failed to answer), completed (200 with a full body), failed by status (with the error
+messages clients read), and lost:
 accepted but never answered before the per-request deadline, or cut off without an answer.
 Lost must be 0. With `--kill-replica-at F` one engine replica is killed through Ray once a
 share F of the requests has finished (the app must then be on this machine's Ray cluster).
@@ -33,6 +34,8 @@ class LoadReport:
     accepted: int = 0
     completed: int = 0
     failed_by_status: dict[str, int] = field(default_factory=dict)
+    error_messages: list[str] = field(default_factory=list)
+    """The distinct error messages of failed answers (what a client reads)."""
     lost: int = 0
     killed_replica: str | None = None
     seconds: float = 0.0
@@ -50,6 +53,13 @@ def kill_one_engine_replica() -> str:
         raise RuntimeError("no engine replica actor found on this Ray cluster")
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
     return names[0]
+
+
+def error_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text
 
 
 async def run_load(url: str, requests: int, concurrency: int, time_limit_s: float,
@@ -88,6 +98,9 @@ async def run_load(url: str, requests: int, concurrency: int, time_limit_s: floa
                     report.completed += 1
                 else:
                     statuses[str(response.status_code)] += 1
+                    message = error_message(response)
+                    if message not in report.error_messages:
+                        report.error_messages.append(message)
             finished += 1
             if kill_at is not None and not kill_started and finished >= kill_at * requests:
                 kill_started = True  # once, though several requests cross the mark together

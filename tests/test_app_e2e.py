@@ -10,6 +10,7 @@ this process, before Ray starts.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -170,15 +171,34 @@ def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(
     ({"model": "target", "prompt": "x", "n": 2}, 400),
     ({"model": "target", "prompt": ""}, 400),
     ({"model": "target", "prompt": "x", "max_tokens": 5000}, 400),
+    # JSON escapes that decode to half a surrogate pair: no tokenizer can encode them.
+    ({"model": "target", "prompt": "ab\ud800c"}, 400),
+    ({"model": "target", "prompt": ["\udfff"]}, 400),
+    ({"model": "target", "prompt": "x", "stop": ["ok", "\ud83d"]}, 400),
+    ({"model": "target", "messages": [{"role": "user", "content": "hi \udc00"}]}, 400),
+    # vLLM seeds a torch.Generator: 64-bit signed only.
+    ({"model": "target", "prompt": "x", "seed": 1 << 63}, 400),
+    ({"model": "target", "prompt": "x", "seed": -(1 << 63) - 1}, 400),
 ])
 def test_bad_input_gets_an_openai_error_and_harms_nothing(app_url, client, body, status):
-    response = httpx.post(f"{app_url}/v1/completions", json=body, timeout=60)
-    assert response.status_code == status
+    route = "chat/completions" if "messages" in body else "completions"
+    # json.dumps escapes the lone surrogates as a client's JSON encoder would.
+    response = httpx.post(f"{app_url}/v1/{route}", content=json.dumps(body),
+                          headers={"content-type": "application/json"}, timeout=60)
+    assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"] and "param" in error and "code" in error
     ok = client.completions.create(model="target", prompt="def f():", max_tokens=4,
                                    extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 4
+
+
+def test_seeds_at_the_64_bit_bounds_are_served(client):
+    for seed in (-(1 << 63), (1 << 63) - 1):
+        result = client.completions.create(model="target", prompt="def f():", max_tokens=4,
+                                           temperature=0.8, seed=seed,
+                                           extra_body={"ignore_eos": True})
+        assert result.usage.completion_tokens == 4
 
 
 def test_malformed_json_and_unknown_route(app_url):

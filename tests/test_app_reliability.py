@@ -4,6 +4,7 @@ readiness, the API key on every route, overload, and a client that disconnects m
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -176,6 +177,10 @@ def test_load_with_a_replica_killed_midway_loses_nothing(app_url):
     assert report.completed + sum(report.failed_by_status.values()) == report.sent
     assert all(status.startswith("5") for status in report.failed_by_status), \
         report.failed_by_status  # a clear 5xx, never a hang or a 4xx
+    # ... that names the request and leaks no replica traceback or exception text.
+    assert all(re.fullmatch(r"(generation failed|no engine replica could serve the request) "
+                            r"\(request id [0-9a-f]{32}\)", message)
+               for message in report.error_messages), report.error_messages
     assert report.completed >= 30
     # Serve brings the replica back; the new one serves and has its cluster view.
     deadline = time.monotonic() + 120
