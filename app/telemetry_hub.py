@@ -19,24 +19,33 @@ import ray
 STALE_AFTER_S = 3.0
 # Per-position counts from the replicas decay with this factor per push, a sliding window.
 PRIOR_DECAY = 0.8
-CLASS_REFRESH_S = 0.25
+# Fleet-wide summaries (per-class acceptance, tiers) and expiry are refreshed at most this
+# often: they move slowly, and a large fleet pushes often (512 replicas: 1000 pushes a second).
+REFRESH_S = 0.25
 
 
 class ClusterState:
-    """Cluster view assembled from replica pushes (see `push` for the stats schema)."""
+    """Cluster view assembled from replica pushes (see `push` for the stats schema).
+
+    A push costs O(K), not O(replicas): the acceptance prior is kept as running fleet totals
+    of the replicas' decayed per-position counts, and fleet-wide summaries are refreshed at
+    most every `REFRESH_S`."""
 
     def __init__(self, stale_after_s: float = STALE_AFTER_S):
         self.stale_after_s = stale_after_s
         self.replicas: dict[str, dict[str, Any]] = {}
         self._seen_at: dict[str, float] = {}
-        self._accepted: dict[str, list[float]] = {}
-        self._drafted: dict[str, list[float]] = {}
+        # Per replica, decayed (accepted, drafted) per position; and their fleet sums.
+        self._counts: dict[str, tuple[list[float], list[float]]] = {}
+        self._total_accepted: list[float] = []
+        self._total_drafted: list[float] = []
         self.policy_override: dict[str, Any] | None = None
         self._override_changed_at = 0.0
         # router id -> (when reported, {replica id: requests in flight from that router})
         self._routed: dict[str, tuple[float, dict[str, int]]] = {}
         self._class_acceptance: dict[str, float] = {}
-        self._class_computed_at = float("-inf")
+        self._tiers: tuple[int, ...] = ()
+        self._refreshed_at = float("-inf")
 
     def report_routed(self, router_id: str, in_flight: dict[str, int],
                       now: float | None = None) -> None:
@@ -60,26 +69,42 @@ class ClusterState:
         self._seen_at[replica_id] = now
         self._decay_into(replica_id, stats.get("window_accepted", ()),
                          stats.get("window_drafted", ()))
-        self.expire(now)
-        self.class_acceptance(now)
+        self.refresh(now)
         return self.view(replica_id)
 
     def _decay_into(self, replica_id: str, accepted: Any, drafted: Any) -> None:
-        width = max(len(accepted), len(self._accepted.get(replica_id, ())))
-        old_a = self._accepted.get(replica_id, [0.0] * width)
-        old_d = self._drafted.get(replica_id, [0.0] * width)
-        self._accepted[replica_id] = [
-            PRIOR_DECAY * (old_a[i] if i < len(old_a) else 0) + (accepted[i] if i < len(
-                accepted) else 0) for i in range(width)]
-        self._drafted[replica_id] = [
-            PRIOR_DECAY * (old_d[i] if i < len(old_d) else 0) + (drafted[i] if i < len(
-                drafted) else 0) for i in range(width)]
+        """The replica's counts decay and take its new window; the fleet sums follow."""
+        old_accepted, old_drafted = self._counts.get(replica_id, ([], []))
+        new_accepted = _decayed_plus(old_accepted, accepted)
+        new_drafted = _decayed_plus(old_drafted, drafted)
+        self._counts[replica_id] = (new_accepted, new_drafted)
+        _add_into(self._total_accepted, new_accepted, old_accepted)
+        _add_into(self._total_drafted, new_drafted, old_drafted)
+
+    def refresh(self, now: float, force: bool = False) -> None:
+        """Expire silent replicas and routers, and recompute the fleet-wide summaries (at
+        most every `REFRESH_S` unless forced)."""
+        if not force and now - self._refreshed_at < REFRESH_S:
+            return
+        self._refreshed_at = now
+        self.expire(now)
+        sums: dict[str, list[float]] = {}
+        for stats in self.replicas.values():
+            for request_class, value in (stats.get("class_acceptance") or {}).items():
+                entry = sums.setdefault(request_class, [0.0, 0])
+                entry[0] += value
+                entry[1] += 1
+        self._class_acceptance = {c: total / n for c, (total, n) in sums.items()}
+        self._tiers = tuple(s.get("active_k", 0) for s in self.replicas.values())
 
     def expire(self, now: float) -> list[str]:
         gone = [rid for rid, seen in self._seen_at.items() if now - seen > self.stale_after_s]
         for rid in gone:
-            for table in (self.replicas, self._seen_at, self._accepted, self._drafted):
+            for table in (self.replicas, self._seen_at):
                 table.pop(rid, None)
+            accepted, drafted = self._counts.pop(rid, ([], []))
+            _add_into(self._total_accepted, [], accepted)
+            _add_into(self._total_drafted, [], drafted)
         # A router that stopped reporting (its ingress went away) no longer counts.
         for router_id in [r for r, (at, _) in self._routed.items()
                           if now - at > self.stale_after_s]:
@@ -88,30 +113,12 @@ class ClusterState:
 
     def acceptance_prior(self) -> tuple[float, ...]:
         """Cluster-wide p[k] (share of drafts with more than k accepted), per position."""
-        width = max((len(v) for v in self._accepted.values()), default=0)
         prior = []
-        for pos in range(width):
-            drafted = sum(v[pos] for v in self._drafted.values() if pos < len(v))
-            accepted = sum(v[pos] for v in self._accepted.values() if pos < len(v))
+        for accepted, drafted in zip(self._total_accepted, self._total_drafted, strict=True):
             if drafted < 1:
                 break  # no evidence at this depth: let the policy extrapolate
-            prior.append(accepted / drafted)
+            prior.append(min(1.0, max(0.0, accepted / drafted)))
         return tuple(prior)
-
-    def class_acceptance(self, now: float) -> dict[str, float]:
-        """Per request class, the mean first-draft acceptance the replicas report (recomputed
-        at most every `CLASS_REFRESH_S`: it moves slowly, and a fleet pushes often)."""
-        if now - self._class_computed_at < CLASS_REFRESH_S:
-            return self._class_acceptance
-        sums: dict[str, list[float]] = {}
-        for stats in self.replicas.values():
-            for request_class, value in (stats.get("class_acceptance") or {}).items():
-                entry = sums.setdefault(request_class, [0.0, 0])
-                entry[0] += value
-                entry[1] += 1
-        self._class_computed_at = now
-        self._class_acceptance = {c: total / n for c, (total, n) in sums.items()}
-        return self._class_acceptance
 
     def view(self, replica_id: str) -> dict[str, Any]:
         mine = self.replicas.get(replica_id, {})
@@ -124,8 +131,7 @@ class ClusterState:
             "effective_concurrency": local + max(0, routed - ongoing),
             "routed": routed,
             "acceptance_prior": self.acceptance_prior(),
-            "peer_tiers": tuple(s.get("active_k", 0) for rid, s in self.replicas.items()
-                                if rid != replica_id),
+            "fleet_tiers": self._tiers,
             "class_acceptance": self._class_acceptance,
             "policy_override": self.policy_override,
         }
@@ -136,6 +142,7 @@ class ClusterState:
             self.policy_override, self._override_changed_at = user_config, at
 
     def snapshot(self) -> dict[str, Any]:
+        self.refresh(time.monotonic(), force=True)
         return {"replicas": dict(self.replicas), "acceptance_prior": self.acceptance_prior(),
                 "policy_override": self.policy_override,
                 "routed": {rid: self.routed(rid) for rid in self.replicas}}
@@ -163,5 +170,19 @@ class TelemetryHub:
         self.state.set_override(None, at)
 
     def snapshot(self) -> dict[str, Any]:
-        self.state.expire(time.monotonic())
         return self.state.snapshot()
+
+
+def _decayed_plus(old: list[float], window: Any) -> list[float]:
+    width = max(len(old), len(window))
+    return [PRIOR_DECAY * (old[i] if i < len(old) else 0.0) +
+            (window[i] if i < len(window) else 0) for i in range(width)]
+
+
+def _add_into(total: list[float], plus: list[float], minus: list[float]) -> None:
+    """total += plus - minus, position by position, growing `total` as needed."""
+    total.extend([0.0] * (max(len(plus), len(minus)) - len(total)))
+    for i, value in enumerate(plus):
+        total[i] += value
+    for i, value in enumerate(minus):
+        total[i] -= value

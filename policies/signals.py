@@ -38,7 +38,8 @@ class ClusterView:
     """running + waiting + routed-to-this-replica-but-not-admitted."""
     acceptance_prior: tuple[float, ...] = ()
     """Cluster-wide p[k]: share of drafts with more than k accepted, per position k."""
-    peer_tiers: tuple[int, ...] = ()
+    fleet_tiers: tuple[int, ...] = ()
+    """Every live replica's active K (the hub refreshes it every 0.25 s)."""
     age_s: float = 0.0
 
     @classmethod
@@ -47,7 +48,7 @@ class ClusterView:
         its requests is fresher than the hub's, so the larger of the two counts."""
         return cls(effective_concurrency=max(view["effective_concurrency"], local_load),
                    acceptance_prior=tuple(view["acceptance_prior"]),
-                   peer_tiers=tuple(view["peer_tiers"]))
+                   fleet_tiers=tuple(view["fleet_tiers"]))
 
 
 @dataclass(frozen=True)

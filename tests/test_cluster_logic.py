@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from app.router import ReplicaLoad, expected_acceptance, rank_replicas
-from app.telemetry_hub import ClusterState
+from app.telemetry_hub import PRIOR_DECAY, ClusterState
 from policies.registry import build_policy
 from replicas.control_loop import ControlLoop, fold_steps
 from replicas.engines.base import GenerationRequest, StepRecord
@@ -51,11 +51,32 @@ def test_hub_view_counts_effective_concurrency_and_builds_the_prior():
     view = hub.push("b", {"running": 1, "waiting": 0, "ongoing": 1, "active_k": 1,
                           "window_accepted": [2, 0], "window_drafted": [10, 0]}, now=0.5)
     assert hub.view("a")["effective_concurrency"] == 9
-    assert view["peer_tiers"] == (7,)
+    assert view["fleet_tiers"] == (7, 1)
     assert view["acceptance_prior"] == (0.5, 0.4)
     # A replica that stopped pushing leaves the view.
     hub.push("b", {"running": 0, "waiting": 0, "ongoing": 0, "active_k": 1}, now=4.0)
     assert set(hub.replicas) == {"b"}
+
+
+def test_hub_prior_is_the_decayed_fleet_sum_and_forgets_a_silent_replica():
+    """The hub keeps running fleet totals (a push costs O(K), not O(replicas)): they must
+    equal the decayed sums of the replicas still pushing."""
+    hub = ClusterState(stale_after_s=1.0)
+    windows = {"a": ([6, 3], [10, 10]), "b": ([1, 0], [10, 2]), "c": ([9, 8], [10, 10])}
+    for round_ in range(3):
+        for rid, (accepted, drafted) in windows.items():
+            if rid == "c" and round_ > 0:
+                continue  # c pushes once, then falls silent
+            hub.push(rid, {"window_accepted": accepted, "window_drafted": drafted},
+                     now=round_ * 0.5)
+    d = sum(PRIOR_DECAY ** i for i in range(3))  # a and b pushed the same window thrice
+    assert hub.acceptance_prior() == (pytest.approx((7 * d + 9) / (20 * d + 10)),
+                                      pytest.approx((3 * d + 8) / (12 * d + 10)))
+    hub.push("a", {"window_accepted": [0, 0], "window_drafted": [0, 0]}, now=1.6)
+    assert set(hub.replicas) == {"a", "b"}  # c has been silent for over 1 s
+    a = PRIOR_DECAY * d  # a's counts decayed once more
+    assert hub.acceptance_prior() == (pytest.approx((6 * a + d) / (10 * a + 10 * d)),
+                                      pytest.approx(3 * a / (10 * a + 2 * d)))
 
 
 def test_hub_shares_the_fleets_class_acceptance():

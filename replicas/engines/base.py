@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -98,8 +99,8 @@ class EngineCounters:
 
 def add_per_position(totals: list[int], counts: Sequence[int]) -> None:
     """Add per-position counts into `totals`, position by position, up to its length."""
-    for pos, count in enumerate(counts[:len(totals)]):
-        totals[pos] += count
+    width = min(len(totals), len(counts))
+    totals[:width] = map(operator.add, totals[:width], counts[:width])
 
 
 class Engine(Protocol):

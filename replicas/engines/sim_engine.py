@@ -174,16 +174,16 @@ class SimulatedEngine:
         for entry in batch:
             run = entry.acceptance.accepted_run(entry.rng, k)
             runs[run] += 1
-            tokens = min(run + 1, entry.request.max_tokens - entry.generated)
+            left = entry.request.max_tokens - entry.generated
+            tokens = run + 1 if run < left else left
             entry.generated += tokens
             accepted_total += run
             generated += tokens
-            finished = entry.generated >= entry.request.max_tokens
-            entry.done = finished
+            entry.done = finished = tokens == left
             if entry.queue is not None:
                 entry.queue.put_nowait(((0,) * tokens, finished))
             if finished:
-                self._running.pop(entry.request.request_id, None)
+                del self._running[entry.request.request_id]
         for pos in range(k - 1, -1, -1):
             runs[pos] += runs[pos + 1]
         accepted_pos = runs[1:] + [0] * (self.kmax - k)  # position p lands when run >= p + 1

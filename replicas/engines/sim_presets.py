@@ -24,9 +24,10 @@ class Acceptance:
     copy_rate: float = 0.999
 
     def accepted_run(self, rng: random.Random, k: int) -> int:
-        rate = self.copy_rate if rng.random() < self.copy_share else self.free_rate
+        draw = rng.random
+        rate = self.copy_rate if draw() < self.copy_share else self.free_rate
         run = 0
-        while run < k and rng.random() < rate:
+        while run < k and draw() < rate:
             run += 1
         return run
 
