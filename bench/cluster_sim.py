@@ -23,8 +23,10 @@ and comes mostly from one tenant. Modes:
 | goodput_cluster | goodput | effective (cluster) | yes | power of two choices |
 | goodput_routed | goodput | effective (cluster) | yes | tier-aware (`rank_replicas`) |
 
-Reported per mode: goodput (tokens/s of requests that met the latency SLO), throughput, p50/p99
-request latency, and tier switches per replica-hour.
+Reported per mode: goodput (tokens of the requests that met the latency SLO, per second of
+arrivals; the run drains, so a request counts wherever it finishes), the share of requests that
+met the SLO, throughput while arrivals last, p50/p99 request latency, and tier switches per
+replica-hour.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ CLASSES = {"copy": "high_2", "code": "low_2", "chat": "low_1"}
 STATIC = ("static1", "static3", "static7", "static15")
 LOCAL = ("batch_table", "ema", "goodput_local")
 CLUSTER = ("goodput_cluster", "goodput_routed")
+ROUTED = ("goodput_routed",)
 MODES = (*STATIC, *LOCAL, *CLUSTER)
 TELEMETRY_PERIOD_S = 0.5  # as the replica deployment's hub exchange
 
@@ -74,8 +77,11 @@ class Arrival:
 class LoadShape:
     """Open-loop arrivals per replica: a base rate with bursts from one tenant at a time."""
 
-    rate_per_replica: float = 6.0
-    """Requests per second per replica between bursts."""
+    rate_per_replica: float = 9.0
+    """Requests per second per replica between bursts. A replica serves about 22 a second at
+    the best static K (K=1, full batch), so the mean load is about 80% of capacity and each
+    burst goes well past it: the SLO binds. At 6 every adaptive mode meets the SLO for every
+    request; at 12 the queue outgrows the longer (8-replica) runs."""
     burst_factor: float = 5.0
     burst_every_s: float = 5.0
     burst_s: float = 1.5
@@ -173,6 +179,8 @@ class ModeOutcome:
     """Tokens generated while arrivals lasted: under overload, the fleet's capacity."""
     tokens: int = 0
     slo_tokens: int = 0
+    """Tokens of requests that met the SLO, wherever they finished (the run drains)."""
+    slo_requests: int = 0
     latencies: list[float] = field(default_factory=list)
     switches: int = 0
     end_s: float = 0.0
@@ -194,7 +202,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                    slo_ttft_s: float, slo_tpot_s: float, seed: int) -> ModeOutcome:
     started = time.perf_counter()
     preset = PRESETS[PRESET]
-    uses_cluster, tier_aware = mode in CLUSTER, mode == "goodput_routed"
+    uses_cluster, tier_aware = mode in CLUSTER, mode in ROUTED
     fleet = []
     for i in range(replicas):
         engine = SimulatedEngine(preset, kmax=max(CANDIDATES), max_num_seqs=64)
@@ -278,8 +286,9 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                 outcome.tokens += tracked.seen
                 ttft = tracked.first_token_at - tracked.arrival.at
                 tpot = (now - tracked.first_token_at) / max(1, tracked.seen - 1)
-                if ttft <= slo_ttft_s and tpot <= slo_tpot_s and now <= duration_s:
+                if ttft <= slo_ttft_s and tpot <= slo_tpot_s:
                     outcome.slo_tokens += tracked.seen
+                    outcome.slo_requests += 1
             replica.in_flight = still
             steps, _, _ = await replica.loop.tick(replica.cluster if uses_cluster else None)
             for step in steps:
@@ -304,6 +313,7 @@ def summarise(outcome: ModeOutcome, replicas: int) -> dict[str, Any]:
     latencies = sorted(outcome.latencies)
     replica_hours = replicas * outcome.end_s / 3600
     return {"goodput": outcome.slo_tokens / outcome.window_s,
+            "slo_attainment": outcome.slo_requests / max(1, len(latencies)),
             "throughput": outcome.window_tokens / outcome.window_s,
             "p50_s": statistics.median(latencies),
             "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
@@ -329,13 +339,14 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
     parts = []
     for replicas, run in runs.items():
         modes = run["modes"]
-        rows = [[m, f"{r['goodput']:.0f}", f"{r['throughput']:.0f}", f"{r['p50_s']:.2f}",
+        rows = [[m, f"{r['goodput']:.0f}", f"{r['slo_attainment']:.1%}",
+                 f"{r['throughput']:.0f}", f"{r['p50_s']:.2f}",
                  f"{r['p99_s']:.2f}", f"{r['switches_per_replica_hour']:.0f}", r["requests"],
                  f"{r['wall_s']:.1f}"] for m, r in modes.items()]
         parts.append(print_table(
             f"{replicas} REPLICAS (SIMULATOR, {run['arrivals']} requests, "
             f"{run['duration_s']:.0f} s of arrivals)",
-            ["mode", "goodput tok/s", "throughput tok/s", "p50 s", "p99 s",
+            ["mode", "goodput tok/s", "SLO met", "throughput tok/s", "p50 s", "p99 s",
              "switches / replica-hour", "requests", "wall s"], rows))
     rows = []
     for replicas, run in runs.items():
