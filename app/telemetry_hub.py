@@ -19,7 +19,7 @@ import ray
 STALE_AFTER_S = 3.0
 # Per-position counts from the replicas decay with this factor per push, a sliding window.
 PRIOR_DECAY = 0.8
-# Fleet-wide summaries (per-class acceptance, tiers) and expiry are refreshed at most this
+# Fleet-wide summaries (per-class acceptance) and expiry are refreshed at most this
 # often: they move slowly, and a large fleet pushes often (512 replicas: 1000 pushes a second).
 REFRESH_S = 0.25
 
@@ -44,7 +44,6 @@ class ClusterState:
         # router id -> (when reported, {replica id: requests in flight from that router})
         self._routed: dict[str, tuple[float, dict[str, int]]] = {}
         self._class_acceptance: dict[str, float] = {}
-        self._tiers: tuple[int, ...] = ()
         self._refreshed_at = float("-inf")
 
     def report_routed(self, router_id: str, in_flight: dict[str, int],
@@ -95,7 +94,6 @@ class ClusterState:
                 entry[0] += value
                 entry[1] += 1
         self._class_acceptance = {c: total / n for c, (total, n) in sums.items()}
-        self._tiers = tuple(s.get("active_k", 0) for s in self.replicas.values())
 
     def expire(self, now: float) -> list[str]:
         gone = [rid for rid, seen in self._seen_at.items() if now - seen > self.stale_after_s]
@@ -131,7 +129,6 @@ class ClusterState:
             "effective_concurrency": local + max(0, routed - ongoing),
             "routed": routed,
             "acceptance_prior": self.acceptance_prior(),
-            "fleet_tiers": self._tiers,
             "class_acceptance": self._class_acceptance,
             "policy_override": self.policy_override,
         }

@@ -61,7 +61,6 @@ CLASSES = {"copy": "high_2", "code": "low_2", "chat": "low_1"}
 STATIC = ("static1", "static3", "static7", "static15")
 LOCAL = ("batch_table", "ema", "goodput_local")
 CLUSTER = ("goodput_cluster", "goodput_routed")
-ROUTED = ("goodput_routed",)
 MODES = (*STATIC, *LOCAL, *CLUSTER)
 TELEMETRY_PERIOD_S = 0.5  # as the replica deployment's hub exchange
 
@@ -202,7 +201,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                    slo_ttft_s: float, slo_tpot_s: float, seed: int) -> ModeOutcome:
     started = time.perf_counter()
     preset = PRESETS[PRESET]
-    uses_cluster, tier_aware = mode in CLUSTER, mode in ROUTED
+    uses_cluster, tier_aware = mode in CLUSTER, mode == "goodput_routed"
     fleet = []
     for i in range(replicas):
         engine = SimulatedEngine(preset, kmax=max(CANDIDATES), max_num_seqs=64)

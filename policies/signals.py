@@ -38,17 +38,13 @@ class ClusterView:
     """running + waiting + routed-to-this-replica-but-not-admitted."""
     acceptance_prior: tuple[float, ...] = ()
     """Cluster-wide p[k]: share of drafts with more than k accepted, per position k."""
-    fleet_tiers: tuple[int, ...] = ()
-    """Every live replica's active K (the hub refreshes it every 0.25 s)."""
-    age_s: float = 0.0
 
     @classmethod
     def from_hub(cls, view: dict[str, Any], local_load: int) -> ClusterView:
         """From the telemetry hub's answer (`ClusterState.view`). The replica's own count of
         its requests is fresher than the hub's, so the larger of the two counts."""
         return cls(effective_concurrency=max(view["effective_concurrency"], local_load),
-                   acceptance_prior=tuple(view["acceptance_prior"]),
-                   fleet_tiers=tuple(view["fleet_tiers"]))
+                   acceptance_prior=tuple(view["acceptance_prior"]))
 
 
 @dataclass(frozen=True)

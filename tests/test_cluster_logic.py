@@ -51,7 +51,6 @@ def test_hub_view_counts_effective_concurrency_and_builds_the_prior():
     view = hub.push("b", {"running": 1, "waiting": 0, "ongoing": 1, "active_k": 1,
                           "window_accepted": [2, 0], "window_drafted": [10, 0]}, now=0.5)
     assert hub.view("a")["effective_concurrency"] == 9
-    assert view["fleet_tiers"] == (7, 1)
     assert view["acceptance_prior"] == (0.5, 0.4)
     # A replica that stopped pushing leaves the view.
     hub.push("b", {"running": 0, "waiting": 0, "ongoing": 0, "active_k": 1}, now=4.0)
