@@ -118,9 +118,10 @@ def workload(replicas: int, duration_s: float, shape: LoadShape, seed: int) -> l
 class Tracked:
     arrival: Arrival
     entry: Any
-    seen: int = 0
-    """Tokens generated as of the replica's last step."""
     first_token_at: float | None = None
+    drafting_seen: int = 0
+    landed_seen: int = 0
+    """The entry's drafting steps and first-draft landings already counted in a window."""
 
 
 @dataclass
@@ -130,8 +131,8 @@ class SimReplica:
     pool: TierPool
     loop: ControlLoop = field(init=False)
     busy: bool = False
-    step_k: int = 0
-    in_flight: list[Tracked] = field(default_factory=list)
+    in_flight: dict[str, Tracked] = field(default_factory=dict)
+    """By request id."""
     # Per class, (steps that landed a draft, drafting steps) since the last report.
     class_window: dict[str, list[int]] = field(default_factory=dict)
     class_acceptance: dict[str, float] = field(default_factory=dict)
@@ -143,16 +144,26 @@ class SimReplica:
 
     def batch_class_acceptance(self) -> float | None:
         """As the replica deployment: its requests' classes' past first-draft acceptance."""
-        return batch_class_acceptance((t.arrival.request_class for t in self.in_flight),
+        return batch_class_acceptance((t.arrival.request_class for t in self.in_flight.values()),
                                       self.class_acceptance, self.fleet_class_acceptance)
 
     @property
     def load(self) -> int:
         return len(self.in_flight)
 
+    def count_first_drafts(self, tracked: Tracked) -> None:
+        """Add a request's first-draft landings since last counted to its class's window."""
+        entry = tracked.entry
+        window = self.class_window.setdefault(tracked.arrival.request_class, [0, 0])
+        window[0] += entry.first_landed - tracked.landed_seen
+        window[1] += entry.drafting_steps - tracked.drafting_seen
+        tracked.landed_seen, tracked.drafting_seen = entry.first_landed, entry.drafting_steps
+
     def telemetry(self) -> dict[str, Any]:
         """The period's push to the hub; also refreshes what routers read (first-draft
         acceptance, per class and overall) and starts new windows."""
+        for tracked in self.in_flight.values():
+            self.count_first_drafts(tracked)
         counters = self.engine.counters()
         stats = {"running": counters.running, "waiting": counters.waiting,
                  "ongoing": self.load, "active_k": self.pool.active_k,
@@ -184,6 +195,17 @@ class ModeOutcome:
     switches: int = 0
     end_s: float = 0.0
     wall_s: float = 0.0
+
+    def finish(self, tracked: Tracked, now: float, slo_ttft_s: float, slo_tpot_s: float
+               ) -> None:
+        tokens = tracked.entry.generated
+        self.latencies.append(now - tracked.arrival.at)
+        self.tokens += tokens
+        ttft = tracked.first_token_at - tracked.arrival.at
+        tpot = (now - tracked.first_token_at) / max(1, tokens - 1)
+        if ttft <= slo_ttft_s and tpot <= slo_tpot_s:
+            self.slo_tokens += tokens
+            self.slo_requests += 1
 
 
 def policy_for(mode: str) -> dict[str, Any]:
@@ -229,10 +251,12 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
 
     def start_step(index: int, now: float) -> None:
         replica = fleet[index]
-        replica.engine.admit()
-        replica.step_k = replica.engine.k
+        admitted = replica.engine.admit()
         replica.busy = True
-        schedule(now + replica.engine.step(), "step", index)
+        ends = now + replica.engine.step()
+        for entry in admitted:  # every step gives each request at least one token
+            replica.in_flight[entry.request.request_id].first_token_at = ends
+        schedule(ends, "step", index)
 
     arrivals_left = len(arrivals)
     schedule(TELEMETRY_PERIOD_S, "hub", 0)
@@ -258,39 +282,20 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
             entry = replica.engine.submit(GenerationRequest(
                 request_id=f"q{serial}", prompt="sim", max_tokens=arrival.max_tokens,
                 request_class=CLASSES[arrival.request_class], seed=serial))
-            replica.in_flight.append(Tracked(arrival, entry))
+            replica.in_flight[entry.request.request_id] = Tracked(arrival, entry)
             if not replica.busy:
                 start_step(target, now)
         elif kind == "step":
             replica = fleet[index]
             replica.busy = False
-            still = []
-            for tracked in replica.in_flight:
-                gained = tracked.entry.generated - tracked.seen
-                if now <= duration_s:
-                    outcome.window_tokens += gained
-                if gained:
-                    tracked.seen = tracked.entry.generated
-                    if tracked.first_token_at is None:
-                        tracked.first_token_at = now
-                    if replica.step_k:  # first-draft acceptance, as the replica measures it
-                        window = replica.class_window.setdefault(
-                            tracked.arrival.request_class, [0, 0])
-                        window[0] += gained > 1
-                        window[1] += 1
-                if not tracked.entry.done:
-                    still.append(tracked)
-                    continue
-                outcome.latencies.append(now - tracked.arrival.at)
-                outcome.tokens += tracked.seen
-                ttft = tracked.first_token_at - tracked.arrival.at
-                tpot = (now - tracked.first_token_at) / max(1, tracked.seen - 1)
-                if ttft <= slo_ttft_s and tpot <= slo_tpot_s:
-                    outcome.slo_tokens += tracked.seen
-                    outcome.slo_requests += 1
-            replica.in_flight = still
+            for entry in replica.engine.just_finished:
+                tracked = replica.in_flight.pop(entry.request.request_id)
+                replica.count_first_drafts(tracked)
+                outcome.finish(tracked, now, slo_ttft_s, slo_tpot_s)
             steps, _, _ = await replica.loop.tick(replica.cluster if uses_cluster else None)
             for step in steps:
+                if now <= duration_s:
+                    outcome.window_tokens += step.generated_tokens
                 add_per_position(replica.window_accepted, step.accepted_per_pos)
                 add_per_position(replica.window_drafted, step.drafted_per_pos)
             outcome.end_s = now

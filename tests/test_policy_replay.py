@@ -39,7 +39,8 @@ def test_goodput_beats_the_best_static_and_tracks_the_oracle_per_phase(modes: di
     assert modes["goodput"]["throughput"] >= 1.05 * best_static
     for name in PHASES:
         assert modes["goodput"]["phases"][name] >= 0.95 * modes["oracle"]["phases"][name], name
-    assert modes["goodput"]["switches"] < modes["ema"]["switches"]
+    # A phase change needs one switch, and a probe of the next tier may add one more.
+    assert modes["goodput"]["switches"] <= 2 * len(PHASES)
 
 
 def test_acceptance_mixture_matches_its_expected_run_length() -> None:

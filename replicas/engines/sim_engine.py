@@ -39,7 +39,7 @@ def token_at(prompt: str, position: int) -> int:
     return int.from_bytes(digest, "little") % VOCAB
 
 
-@dataclass
+@dataclass(slots=True)
 class _SimRequest:
     request: GenerationRequest
     acceptance: Acceptance
@@ -49,6 +49,10 @@ class _SimRequest:
     """Where `generate` streams from; virtual-time harnesses poll `generated` instead."""
     done: bool = False
     aborted: bool = False
+    drafting_steps: int = 0
+    first_landed: int = 0
+    """Steps that drafted for this request, and those whose first draft was accepted (the
+    per-class first-draft acceptance that replicas report to routers)."""
 
 
 class SimulatedEngine:
@@ -70,6 +74,7 @@ class SimulatedEngine:
         self._totals = EngineCounters(accepted_per_pos=[0] * kmax, drafted_per_pos=[0] * kmax)
         self._loop: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self.just_finished: list[_SimRequest] = []
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> SimulatedEngine:
@@ -132,10 +137,15 @@ class SimulatedEngine:
         self._wake.set()
         return entry
 
-    def admit(self) -> None:
+    def admit(self) -> list[_SimRequest]:
+        """Move waiting requests into the batch while it has room; returns those admitted
+        (their first token comes with the next step)."""
+        admitted = []
         while self._waiting and len(self._running) < self.max_num_seqs:
             entry = self._waiting.popleft()
             self._running[entry.request.request_id] = entry
+            admitted.append(entry)
+        return admitted
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         prompt = self._validate(request)
@@ -166,24 +176,31 @@ class SimulatedEngine:
             await asyncio.sleep(seconds * self.time_scale)
 
     def step(self) -> float:
-        """One engine step over the running requests; returns its simulated seconds."""
+        """One engine step over the running requests; returns its simulated seconds. The
+        requests it finished are in `just_finished` until the next step."""
         batch, k = list(self._running.values()), self.k
         seconds = self.preset.step_seconds(len(batch), k)
         runs = [0] * (k + 1)  # a histogram of accepted-run lengths, then runs >= p
-        accepted_total = generated = 0
+        generated = 0
+        self.just_finished = []
         for entry in batch:
             run = entry.acceptance.accepted_run(entry.rng, k)
             runs[run] += 1
+            if k:
+                entry.drafting_steps += 1
+                entry.first_landed += run > 0
             left = entry.request.max_tokens - entry.generated
             tokens = run + 1 if run < left else left
             entry.generated += tokens
-            accepted_total += run
             generated += tokens
-            entry.done = finished = tokens == left
+            finished = tokens == left
             if entry.queue is not None:
                 entry.queue.put_nowait(((0,) * tokens, finished))
             if finished:
+                entry.done = True
                 del self._running[entry.request.request_id]
+                self.just_finished.append(entry)
+        accepted_total = sum(run * count for run, count in enumerate(runs))
         for pos in range(k - 1, -1, -1):
             runs[pos] += runs[pos + 1]
         accepted_pos = runs[1:] + [0] * (self.kmax - k)  # position p lands when run >= p + 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -23,13 +24,32 @@ class Acceptance:
     copy_share: float = 0.0
     copy_rate: float = 0.999
 
+    def __post_init__(self) -> None:
+        for rate in (self.free_rate, self.copy_rate):
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"acceptance rate {rate} outside [0, 1]")
+        # 1 / ln(rate), cached: a cluster run draws ~10^7 runs. Rate 0 gives -0.0 (run 0);
+        # rate 1 gives -inf, a run that never misses.
+        object.__setattr__(self, "_inv_log_free", _inverse_log(self.free_rate))
+        object.__setattr__(self, "_inv_log_copy", _inverse_log(self.copy_rate))
+
     def accepted_run(self, rng: random.Random, k: int) -> int:
+        """Drafts accepted before the first miss, out of k: one draw picks the regime, one
+        more the run, by inverting P(run >= j) = rate^j (one draw per position would make
+        this the simulator's main cost)."""
+        if k == 0:
+            return 0
         draw = rng.random
-        rate = self.copy_rate if draw() < self.copy_share else self.free_rate
-        run = 0
-        while run < k and draw() < rate:
-            run += 1
-        return run
+        inv_log = self._inv_log_copy if self.copy_share and draw() < self.copy_share else \
+            self._inv_log_free
+        run = math.log(1.0 - draw()) * inv_log  # 1 - draw() lies in (0, 1]
+        return int(run) if run < k else k
+
+
+def _inverse_log(rate: float) -> float:
+    if rate <= 0.0:
+        return -0.0
+    return 1.0 / math.log(rate) if rate < 1.0 else -math.inf
 
 
 @dataclass(frozen=True)
