@@ -30,6 +30,7 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -65,36 +66,62 @@ class GoodputConfig(BaseModel):
 
 
 class StepCostModel:
-    """Per K, step seconds measured at each batch size (an EWMA per point), interpolated
-    piecewise-linearly in batch size: it follows the knee between the memory-bound regime
-    (flat in batch x K) and the compute-bound one, which one straight line would smear."""
+    """Per K, step seconds measured at each batch size, interpolated piecewise-linearly in
+    batch size: it follows the knee between the memory-bound regime (flat in batch x K) and
+    the compute-bound one, which one straight line would smear.
+
+    Step wall times on a shared machine jitter by tens of percent, so two rules keep noise
+    from choosing the tier:
+    - a point is a running mean that becomes an EWMA (a new step weighs at least 1 - decay);
+      a batch size seen for the first time starts from what its neighbours predict, worth
+      `PRIOR_STEPS` steps, rather than from one raw sample;
+    - at a batch size, predictions never fall as K grows (verifying more tokens does not cost
+      less): a deep tier that looked cheap by luck would otherwise win with nothing accepted.
+    """
+
+    PRIOR_STEPS = 4.0
 
     def __init__(self, decay: float):
-        self.weight_new = 1 - decay
-        self._points: dict[int, dict[int, float]] = {}  # k -> batch -> seconds
+        self.max_weight = math.inf if decay >= 1 else 1 / (1 - decay)
+        self._points: dict[int, dict[int, list[float]]] = {}  # k -> batch -> [seconds, weight]
+
+    def seed(self, cost: StepCost) -> None:
+        """A profiled point, worth `PRIOR_STEPS` measured steps."""
+        self._points.setdefault(cost.k, {})[cost.batch] = [cost.seconds, self.PRIOR_STEPS]
 
     def observe(self, cost: StepCost) -> None:
         if cost.seconds <= 0 or cost.batch <= 0:
             return
-        points = self._points.setdefault(cost.k, {})
-        old = points.get(cost.batch)
-        points[cost.batch] = cost.seconds if old is None else \
-            old + self.weight_new * (cost.seconds - old)
+        point = self._points.get(cost.k, {}).get(cost.batch)
+        if point is None:
+            guess = self.predict(cost.batch, cost.k)
+            point = [cost.seconds, 0.0] if guess is None else [guess, self.PRIOR_STEPS]
+            self._points.setdefault(cost.k, {})[cost.batch] = point
+        point[1] = min(point[1] + 1, self.max_weight)
+        point[0] += (cost.seconds - point[0]) / point[1]
 
     def known(self) -> list[int]:
         return sorted(self._points)
 
     def _at_batch(self, k: int, batch: int) -> float:
         points = self._points[k]
-        return _interpolate(batch, sorted(points), points.__getitem__)
+        return _interpolate(batch, sorted(points), lambda b: points[b][0])
 
-    def predict(self, batch: int, k: int) -> float | None:
-        """Seconds of a step of `batch` sequences at depth `k`; an unmeasured K is
-        interpolated (or extrapolated) linearly in K between measured neighbours."""
+    def predict_row(self, batch: int, ks: tuple[int, ...]) -> dict[int, float]:
+        """Seconds of a step of `batch` sequences at each depth in `ks` (empty before any
+        measurement); an unmeasured K is interpolated (or extrapolated) linearly in K
+        between measured neighbours."""
         known = self.known()
         if not known:
-            return None
-        return _interpolate(k, known, lambda j: self._at_batch(j, batch))
+            return {}
+        measured, floor = {}, 0.0
+        for k in known:
+            floor = max(floor, self._at_batch(k, batch))
+            measured[k] = floor
+        return {k: _interpolate(k, known, measured.__getitem__) for k in ks}
+
+    def predict(self, batch: int, k: int) -> float | None:
+        return self.predict_row(batch, (k,)).get(k)
 
 
 def _interpolate(x: int, known: list[int], value_at: Callable[[int], float]) -> float:
@@ -168,7 +195,7 @@ class GoodputPolicy:
         self.candidates = candidates
         self.costs = StepCostModel(config.cost_decay)
         for batch, k, seconds in config.profile:
-            self.costs.observe(StepCost(batch, k, seconds))
+            self.costs.seed(StepCost(batch, k, seconds))
         self.acceptance = AcceptanceWindow(max(1, max(candidates)), config.acceptance_decay,
                                            config.prior_strength)
         self._steps_on_tier = 0
@@ -184,12 +211,8 @@ class GoodputPolicy:
     def scores(self, signals: Signals, rates: list[float]) -> dict[int, float]:
         """Expected tokens/s per candidate (empty until some step cost is known)."""
         batch = self._batch(signals)
-        scores = {}
-        for k in self.candidates:
-            seconds = self.costs.predict(batch, k)
-            if seconds is not None:
-                scores[k] = batch * (1 + self.draft_share * sum(rates[:k])) / seconds
-        return scores
+        return {k: batch * (1 + self.draft_share * sum(rates[:k])) / seconds
+                for k, seconds in self.costs.predict_row(batch, self.candidates).items()}
 
     @property
     def draft_share(self) -> float:
@@ -251,6 +274,7 @@ class GoodputPolicy:
         seconds = self.costs.predict(batch, tier)
         if seconds is None:
             return False
-        hinted = batch * (1 + self.draft_share * sum(hint ** (k + 1) for k in range(tier))) / \
-            seconds
+        # The hint counts every drafting step, proposal or not, so `draft_share` (which may
+        # be stale: it describes the traffic before K=0) does not scale it again.
+        hinted = batch * (1 + sum(hint ** (k + 1) for k in range(tier))) / seconds
         return hinted > scores[0] * (1 + self.config.switch_margin)
