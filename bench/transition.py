@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from bench.report import compare_to_statics, print_table, verdict
+from bench.report import compare_to_statics, is_static, print_table, verdict
 from bench.workloads import HIGH, LOW, Prompt
 
 ADMIN_POLL_S = 0.5
@@ -189,23 +190,63 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
               if args.workload == "transition" else sweep_phases(args.requests))
     origin = time.perf_counter()
     deployed = (await client.replicas())[0]["policy"]  # as deployed, before any mode changes it
-    modes = {mode: await run_mode(client, mode, phases, args.warmup, origin, deployed)
-             for mode in args.modes}
+    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
+    for _ in range(args.rounds):  # modes interleaved, so a slow spell hits all of them
+        for mode in args.modes:
+            rounds[mode].append(await run_mode(client, mode, phases, args.warmup, origin,
+                                               deployed))
     await client.http.aclose()
     return {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,
-            "phases": [p.name for p in phases], "modes": modes}
+            "rounds": args.rounds, "phases": [p.name for p in phases],
+            "modes": {mode: combine(runs) for mode, runs in rounds.items()}}
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One mode over its rounds: medians of throughput (overall and per phase), latency,
+    acceptance length and switches; errors summed; every round's tier timeline; and each
+    round's own numbers under "rounds"."""
+    def median_of(key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    per_round = [{k: v for k, v in r.items() if k not in ("timeline", "started_s")}
+                 for r in runs]
+    return {
+        "throughput": median_of("throughput"), "latency_s": median_of("latency_s"),
+        "accept_len": median_of("accept_len"), "switches": median_of("switches"),
+        "errors": sum(r["errors"] for r in runs),
+        "phases": {p: statistics.median(r["phases"][p] for r in runs) for p in runs[0]["phases"]},
+        "phase_accept_len": {p: statistics.median(r["phase_accept_len"][p] for r in runs)
+                             for p in runs[0]["phase_accept_len"]},
+        "timeline": [point for r in runs for point in r["timeline"]],
+        "started_s": [r["started_s"] for r in runs],
+        "rounds": per_round,
+    }
 
 
 def report(results: dict[str, Any]) -> str:
     modes, phase_names = results["modes"], results["phases"]
+    rounds = results["rounds"]
+    of = f", median of {rounds} rounds" if rounds > 1 else ""
     lines = [print_table(
-        "SUMMARY", ["mode", "tok/s", "avg latency s", "accept len", "switches", "errors"],
+        f"SUMMARY{f' (median of {rounds} rounds; errors summed)' if rounds > 1 else ''}",
+        ["mode", "tok/s", "avg latency s", "accept len", "switches", "errors"],
         [[m, f"{r['throughput']:.1f}", f"{r['latency_s']:.2f}", f"{r['accept_len']:.2f}",
-          r["switches"], r["errors"]] for m, r in modes.items()])]
+          f"{r['switches']:g}", r["errors"]] for m, r in modes.items()])]
     lines.append(print_table(
-        "PER-PHASE THROUGHPUT (tok/s) [accept len]", ["mode", *phase_names],
+        f"PER-PHASE THROUGHPUT (tok/s{of}) [accept len]", ["mode", *phase_names],
         [[m, *(f"{r['phases'][p]:.1f} [{r['phase_accept_len'][p]:.2f}]" for p in phase_names)]
          for m, r in modes.items()]))
+    statics = [m for m in modes if is_static(m)]
+    adaptive = [m for m in modes if not is_static(m)]
+    if statics and adaptive:  # the issue's bar: >= best static overall, >= 0.9x per phase
+        best = {p: max(modes[s]["phases"][p] for s in statics) for p in phase_names}
+        best_overall = max(modes[s]["throughput"] for s in statics)
+        lines.append(print_table(
+            "ADAPTIVE VS BEST STATIC (overall; per phase vs that phase's best static)",
+            ["mode", "overall", *phase_names],
+            [[m, f"{modes[m]['throughput'] / best_overall:.3f}",
+              *(f"{modes[m]['phases'][p] / best[p]:.3f}" for p in phase_names)]
+             for m in adaptive]))
     comparisons = compare_to_statics({m: r["throughput"] for m, r in modes.items()})
     if comparisons:
         lines.append(print_table(
@@ -227,7 +268,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
             points = [p for p in r["timeline"] if p["replica"] == replica]
             ax_k.step([p["t"] for p in points], [p["k"] for p in points], where="post",
                       label=f"{mode} / {replica[-6:]}")
-        ax_k.axvline(r["started_s"], color="grey", lw=0.5)
+        for started in r["started_s"]:
+            ax_k.axvline(started, color="grey", lw=0.5)
     ax_k.set(xlabel="time (s)", ylabel="active K", title="K over time per replica")
     ax_k.legend(fontsize=6, ncol=4)
     width = 0.8 / max(1, len(modes))
@@ -252,6 +294,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every mode this many times, interleaved; report medians")
     parser.add_argument("--modes", type=lambda s: s.split(","),
                         default=["static1", "static3", "static7", "static15", "ema", "goodput"])
     parser.add_argument("--json", type=Path, default=None)

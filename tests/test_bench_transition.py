@@ -1,0 +1,31 @@
+"""The HTTP benchmark's bookkeeping: rounds combine into medians, errors add up."""
+
+from __future__ import annotations
+
+from bench.transition import combine, report
+
+
+def _round(throughput: float, low: float, errors: int, switches: int) -> dict:
+    return {"throughput": throughput, "latency_s": throughput / 100, "accept_len": 1.5,
+            "switches": switches, "errors": errors, "phases": {"low_1": low, "high_1": 900.0},
+            "phase_accept_len": {"low_1": 1.0, "high_1": 5.0},
+            "timeline": [{"t": throughput, "replica": "r", "k": 1}], "started_s": throughput}
+
+
+def test_rounds_combine_into_medians_and_summed_errors() -> None:
+    combined = combine([_round(300, 250, 0, 4), _round(500, 150, 1, 2), _round(400, 200, 2, 9)])
+    assert combined["throughput"] == 400
+    assert combined["phases"] == {"low_1": 200, "high_1": 900}
+    assert combined["switches"] == 4
+    assert combined["errors"] == 3
+    assert len(combined["timeline"]) == 3 and combined["started_s"] == [300, 500, 400]
+    assert [r["throughput"] for r in combined["rounds"]] == [300, 500, 400]
+
+
+def test_report_compares_adaptive_modes_with_the_best_static_per_phase() -> None:
+    modes = {"static1": combine([_round(300, 250, 0, 0)]),
+             "static15": combine([_round(400, 100, 0, 0)]),
+             "goodput": combine([_round(420, 225, 0, 3)])}
+    text = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 1})
+    row = next(line for line in text.splitlines() if line.startswith("| goodput | 1.050"))
+    assert row == "| goodput | 1.050 | 0.900 | 1.000 |"
