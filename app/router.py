@@ -2,9 +2,8 @@
 
 Ranking (`rank_replicas`, pure, also used by the cluster simulation), over all replicas up to
 `RANK_SAMPLE` of them and over a random sample of that many in larger fleets:
-1. effective load: the replica's own count (running + waiting + in its handler, from its
-   routing stats, pushed every stats period) or this router's requests in flight to it,
-   whichever is larger (the router's count is fresh, the stats see other routers' traffic);
+1. load: this router's requests in flight to the replica plus the other routers' (see
+   below);
 2. among replicas within a slack of the least loaded (`load_slack` requests, or a share of
    the least load when that is larger), acceptance fit: the replica whose recent traffic lands
    drafts most like this request's class is expected to (first-draft acceptance, reported by
@@ -15,6 +14,13 @@ Ranking (`rank_replicas`, pure, also used by the cluster simulation), over all r
 The request class comes with the request (`payload["request_class"]`, set by the ingress:
 `greedy` (temperature 0) or `sampled`); its expected acceptance is learned from the replicas'
 reported per-class acceptance and falls back to greedy = high, sampled = low.
+
+Loads stay fresh: a replica reports its handler's requests per router (the ingress stamps each
+payload with `ROUTER_ID`, one per process, as the router runs in the ingress). A router counts
+its own requests itself, exactly and at once, and takes from the report only the other routers'
+share. (Taking the larger of the report and its own count left a replica that had just
+finished a batch looking busy until its next report: a whole phase of requests then went to
+the other replica.)
 
 The router also tells the telemetry hub how many requests it has in flight to each replica
 (`RoutedReporter`): fire-and-forget actor calls, at most one per `REPORT_S`, refreshed while
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 import uuid
@@ -47,6 +54,9 @@ REPORT_S = 0.1
 # Re-report unchanged non-zero counts this often: the hub forgets silent routers after 3 s.
 REFRESH_S = 1.0
 T = TypeVar("T")
+logger = logging.getLogger("ray.serve")
+# This process's router, as replicas see it in their per-router counts.
+ROUTER_ID = uuid.uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,13 @@ class ReplicaLoad:
     active_k: int
     acceptance: float | None = None
     """The replica's recent first-draft acceptance (None before it has drafted)."""
+
+
+def replica_load(own_in_flight: int, stats: dict[str, Any]) -> int:
+    """This router's requests in flight to the replica, plus the other routers' requests in
+    its handler as of its last report (`ongoing` less this router's share of it)."""
+    mine = (stats.get("ongoing_by_router") or {}).get(ROUTER_ID, 0)
+    return own_in_flight + max(0, int(stats.get("ongoing", 0)) - mine)
 
 
 def expected_acceptance(request_class: str, reports: list[dict[str, float]]) -> float:
@@ -98,8 +115,8 @@ def sample_candidates(replicas: list[T], rng: random.Random) -> list[T]:
 class RoutedReporter:
     """Sends a router's in-flight counts to the hub without ever waiting for it."""
 
-    def __init__(self, in_flight: dict[ReplicaID, int]):
-        self.router_id = uuid.uuid4().hex
+    def __init__(self, in_flight: dict[ReplicaID, int], router_id: str):
+        self.router_id = router_id
         self.hub: Any = None
         self._in_flight = in_flight
         self._last_sent = 0.0
@@ -144,7 +161,7 @@ class TierAwareRouter(RequestRouter):
         self.load_slack = load_slack
         self.in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
         self._request_replica: dict[str, ReplicaID] = {}
-        self.reporter = RoutedReporter(self.in_flight)
+        self.reporter = RoutedReporter(self.in_flight, ROUTER_ID)
         self.rng = random.Random()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -157,14 +174,16 @@ class TierAwareRouter(RequestRouter):
         for replica in candidate_replicas:
             stats = replica.routing_stats or {}
             self.reporter.hub = stats.get("hub") or self.reporter.hub
-            own = self.in_flight.get(replica.replica_id, 0)
             loads.append(ReplicaLoad(replica.replica_id.unique_id,
-                                     max(int(stats.get("effective", 0)), own),
+                                     replica_load(self.in_flight.get(replica.replica_id, 0),
+                                                  stats),
                                      int(stats.get("active_k", 0)),
                                      stats.get("first_acceptance")))
             reports.append(stats.get("class_acceptance") or {})
         acceptance = expected_acceptance(_request_class(pending_request), reports)
         ranks = rank_replicas(loads, acceptance, self.load_slack)
+        logger.debug("routing a request of acceptance %.2f over %s: %s", acceptance, loads,
+                     ranks)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,

@@ -242,7 +242,10 @@ class GoodputPolicy:
             return Decision(current, "no cost data yet")
         best = max(scores, key=lambda k: (scores[k], -k))  # ties go to the smaller K
         inputs = {"batch": float(max(1, signals.effective_concurrency)),
-                  "score_current": scores[current], "score_best": scores[best]}
+                  "score_current": scores[current], "score_best": scores[best],
+                  "first_draft": rates[0], "draft_share": self.draft_share}
+        if signals.batch_class_acceptance is not None:
+            inputs["class_hint"] = signals.batch_class_acceptance
         if self._steps_on_tier < self.config.min_dwell_steps:
             return Decision(current, "dwell", inputs)
         deeper = [k for k in self.candidates if k > current]

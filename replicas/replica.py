@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,7 +29,9 @@ from replicas.engines.factory import build_engine
 from replicas.engines.spec import EngineSpec
 from replicas.tier_pool import TierPool, TierSwitch
 
-logger = logging.getLogger(__name__)
+# Serve's logger: lines land in the replica's log file with Serve's request context, and the
+# deployment's `logging_config` sets their level (DEBUG shows every tier decision).
+logger = logging.getLogger("ray.serve")
 
 TICK_S = 0.02
 HUB_ACTOR = "telemetry_hub"
@@ -65,6 +68,7 @@ class EngineReplica:
         self.active_spans = tracing.ActiveSpans()
         self.telemetry_period_s = telemetry_period_s
         self.ongoing = 0
+        self._ongoing_by_router: Counter[str | None] = Counter()
         self.cluster: ClusterView | None = None
         self._window = ([0] * self.engine.kmax, [0] * self.engine.kmax)
         self._hub: Any = None
@@ -96,6 +100,8 @@ class EngineReplica:
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request: yields {"text", "token_ids", ...} chunks, or one {"error"}."""
         self.ongoing += 1
+        router = payload.get("router_id")
+        self._ongoing_by_router[router] += 1
         self._request_class[payload["request_id"]] = payload.get("request_class", "default")
         span = tracing.start_replica_span(
             payload.get("trace_context"), request_id=payload["request_id"],
@@ -133,6 +139,9 @@ class EngineReplica:
             raise
         finally:
             self.ongoing -= 1
+            self._ongoing_by_router[router] -= 1
+            if not self._ongoing_by_router[router]:
+                del self._ongoing_by_router[router]
             self._request_class.pop(payload["request_id"], None)
             self.active_spans.discard(span)
             after = self.engine.counters()
@@ -171,6 +180,8 @@ class EngineReplica:
                     self._first_draft[0] += step.accepted_per_pos[0]
                     self._first_draft[1] += step.drafted_per_pos[0]
         if decision is not None:
+            logger.debug("decision K=%d -> %d: %s %s", self.pool.active_k if change is None
+                         else change.from_k, decision.k, decision.reason, decision.inputs)
             self.metrics.record_decision_seconds(
                 self.loop.stats.decision_seconds_total / max(1, self.loop.stats.decisions))
         if change is not None:
@@ -313,6 +324,8 @@ class EngineReplica:
         counters = self.engine.counters()
         return {"running": counters.running, "waiting": counters.waiting,
                 "ongoing": self.ongoing, "active_k": self.pool.active_k,
+                # Routers subtract their own share and count it themselves, fresher.
+                "ongoing_by_router": dict(self._ongoing_by_router),
                 "hub": self._hub,  # routers report what they routed to it
                 "effective": self._effective_concurrency(),
                 "class_acceptance": dict(self._class_acceptance),
@@ -329,6 +342,9 @@ class EngineReplica:
                 "max_local_batch": self.loop.stats.max_local_batch,
                 "max_routed": self.max_routed,
                 "cluster_view": self.cluster is not None,
+                "effective_concurrency": self._effective_concurrency(),
+                "class_acceptance": dict(self._class_acceptance),
+                "first_acceptance": self._first_acceptance,
                 "counters": {key: value for key, value in counters.__dict__.items()
                              if not isinstance(value, list)}}
 

@@ -48,7 +48,7 @@ def test_reporter_rate_limits_sends_the_latest_counts_and_refreshes(monkeypatch)
     async def scenario() -> list[dict[str, int]]:
         replica = _ReplicaID("r1")
         in_flight = {replica: 0}
-        reporter = RoutedReporter(in_flight)
+        reporter = RoutedReporter(in_flight, "router-a")
         reporter.hub = _Recorder()
         for _ in range(5):  # a burst: one report now, one with the final count later
             in_flight[replica] += 1
