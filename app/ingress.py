@@ -28,7 +28,6 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.openai_format import ChatFormat, CompletionFormat, error_body, json_body, sse
-from app.router import ROUTER_ID
 from observability import tracing
 from observability.exposition import CONTENT_TYPE, render_prometheus
 from observability.metrics import RequestMetrics
@@ -291,7 +290,7 @@ class Ingress:
                 "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
                 "stop": body.stops(), "ignore_eos": body.ignore_eos,
                 "request_class": "greedy" if body.temperature < GREEDY_BELOW else "sampled",
-                "router_id": ROUTER_ID, **extra}
+                **extra}
 
     async def _respond(self, request: Request, body: SamplingFields, payload: dict[str, Any],
                        chat: bool) -> Any:

@@ -15,12 +15,11 @@ The request class comes with the request (`payload["request_class"]`, set by the
 `greedy` (temperature 0) or `sampled`); its expected acceptance is learned from the replicas'
 reported per-class acceptance and falls back to greedy = high, sampled = low.
 
-Loads stay fresh: a replica reports its handler's requests per router (the ingress stamps each
-payload with `ROUTER_ID`, one per process, as the router runs in the ingress). A router counts
-its own requests itself, exactly and at once, and takes from the report only the other routers'
-share. (Taking the larger of the report and its own count left a replica that had just
-finished a batch looking busy until its next report: a whole phase of requests then went to
-the other replica.)
+Loads stay fresh: a replica reports its handler's requests per router (each router stamps the
+payloads it routes with its id). A router counts its own requests itself, exactly and at once,
+and takes from the report only the other routers' share. (Taking the larger of the report and
+its own count left a replica that had just finished a batch looking busy until its next
+report: a whole phase of requests then went to the other replica.)
 
 The router also tells the telemetry hub how many requests it has in flight to each replica
 (`RoutedReporter`): fire-and-forget actor calls, at most one per `REPORT_S`, refreshed while
@@ -38,7 +37,7 @@ import logging
 import random
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -51,12 +50,11 @@ LOAD_SLACK_RATIO = 0.25
 RANK_SAMPLE = 16
 DEFAULT_CLASS_ACCEPTANCE = {"greedy": 0.8, "sampled": 0.1}
 REPORT_S = 0.1
+RESERVATION_S = 5.0
 # Re-report unchanged non-zero counts this often: the hub forgets silent routers after 3 s.
 REFRESH_S = 1.0
 T = TypeVar("T")
 logger = logging.getLogger("ray.serve")
-# This process's router, as replicas see it in their per-router counts.
-ROUTER_ID = uuid.uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -68,10 +66,10 @@ class ReplicaLoad:
     """The replica's recent first-draft acceptance (None before it has drafted)."""
 
 
-def replica_load(own_in_flight: int, stats: dict[str, Any]) -> int:
+def replica_load(router_id: str, own_in_flight: int, stats: dict[str, Any]) -> int:
     """This router's requests in flight to the replica, plus the other routers' requests in
     its handler as of its last report (`ongoing` less this router's share of it)."""
-    mine = (stats.get("ongoing_by_router") or {}).get(ROUTER_ID, 0)
+    mine = (stats.get("ongoing_by_router") or {}).get(router_id, 0)
     return own_in_flight + max(0, int(stats.get("ongoing", 0)) - mine)
 
 
@@ -161,12 +159,22 @@ class TierAwareRouter(RequestRouter):
         self.load_slack = load_slack
         self.in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
         self._request_replica: dict[str, ReplicaID] = {}
-        self.reporter = RoutedReporter(self.in_flight, ROUTER_ID)
+        # Chosen, not yet confirmed routed: requests that arrive together (a new wave) must
+        # not all see the same counts and pick the same replica.
+        self._reserved: dict[str, tuple[ReplicaID, float]] = {}
+        self.router_id = uuid.uuid4().hex
+        self.reporter = RoutedReporter(self.in_flight, self.router_id)
         self.rng = random.Random()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
+        payload = _payload(pending_request)
+        if payload is not None:  # the replica counts its requests per router (replica_load)
+            payload["router_id"] = self.router_id
+        request_id = pending_request.metadata.internal_request_id if pending_request else None
+        self._reserved.pop(request_id, None)  # a retry chooses afresh
+        reserved = self._reserved_counts()
         candidate_replicas = sample_candidates(candidate_replicas, self.rng)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = []
@@ -175,19 +183,35 @@ class TierAwareRouter(RequestRouter):
             stats = replica.routing_stats or {}
             self.reporter.hub = stats.get("hub") or self.reporter.hub
             loads.append(ReplicaLoad(replica.replica_id.unique_id,
-                                     replica_load(self.in_flight.get(replica.replica_id, 0),
-                                                  stats),
+                                     replica_load(self.router_id,
+                                                  self.in_flight.get(replica.replica_id, 0) +
+                                                  reserved[replica.replica_id], stats),
                                      int(stats.get("active_k", 0)),
                                      stats.get("first_acceptance")))
             reports.append(stats.get("class_acceptance") or {})
-        acceptance = expected_acceptance(_request_class(pending_request), reports)
-        ranks = rank_replicas(loads, acceptance, self.load_slack)
+        request_class = payload.get("request_class", "greedy") if payload else "greedy"
+        acceptance = expected_acceptance(request_class, reports)
+        best, *rest = rank_replicas(loads, acceptance, self.load_slack)
+        pick = self.rng.choice(best)  # Serve tries the first rank first: make it one replica
+        ranks = [[pick], *([[r for r in best if r != pick]] if len(best) > 1 else []), *rest]
+        if request_id is not None:
+            self._reserved[request_id] = (by_id[pick].replica_id, time.monotonic())
         logger.debug("routing a request of acceptance %.2f over %s: %s", acceptance, loads,
                      ranks)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
+    def _reserved_counts(self) -> Counter[ReplicaID]:
+        """Reservations per replica; one Serve never confirmed (the request was cancelled
+        while queued) lapses after `RESERVATION_S`."""
+        now = time.monotonic()
+        for request_id in [r for r, (_, at) in self._reserved.items()
+                           if now - at > RESERVATION_S]:
+            del self._reserved[request_id]
+        return Counter(replica for replica, _ in self._reserved.values())
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
+        self._reserved.pop(pending_request.metadata.internal_request_id, None)
         self.in_flight[replica_id] += 1
         self._request_replica[pending_request.metadata.internal_request_id] = replica_id
         self.reporter.changed()
@@ -198,8 +222,10 @@ class TierAwareRouter(RequestRouter):
             self.reporter.changed()
 
 
-def _request_class(pending_request: PendingRequest | None) -> str:
+def _payload(pending_request: PendingRequest | None) -> dict[str, Any] | None:
+    """The ingress's request payload (a dict, the call's first argument), if that is what
+    is being routed."""
     if pending_request is None or not pending_request.args:
-        return "greedy"
+        return None
     payload = pending_request.args[0]
-    return payload.get("request_class", "greedy") if isinstance(payload, dict) else "greedy"
+    return payload if isinstance(payload, dict) else None

@@ -25,7 +25,9 @@ MODES = "static1,static3,static7,static15,ema,goodput"
 WORKLOADS = {
     # The settings; the sweep's requests are the floor of each phase (2 x concurrency
     # otherwise), kept low so the concurrency-1 phases stay minutes, not tens of minutes.
-    "transition": ["--requests", "16", "--concurrency", "8"],
+    # Transition modes run three rounds, interleaved (medians): one phase of one mode moves
+    # by up to 2x between runs on a 2-core machine. The sweep runs once (13 minutes a round).
+    "transition": ["--requests", "16", "--concurrency", "8", "--rounds", "3"],
     "sweep": ["--requests", "8"],
 }
 

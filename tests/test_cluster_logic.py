@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from app.router import ROUTER_ID, ReplicaLoad, expected_acceptance, rank_replicas, replica_load
+from app.router import ReplicaLoad, expected_acceptance, rank_replicas, replica_load
 from app.telemetry_hub import PRIOR_DECAY, ClusterState
 from policies.registry import build_policy
 from replicas.control_loop import ControlLoop, fold_steps
@@ -41,12 +41,12 @@ def test_router_gathers_similar_requests_within_the_load_slack():
 
 def test_router_load_is_its_own_fresh_count_plus_other_routers_reported_share():
     # The replica's last report still shows six of this router's requests, all finished since.
-    just_finished = {"ongoing": 6, "ongoing_by_router": {ROUTER_ID: 6}}
-    assert replica_load(0, just_finished) == 0
+    just_finished = {"ongoing": 6, "ongoing_by_router": {"me": 6}}
+    assert replica_load("me", 0, just_finished) == 0
     # Three of the five reported are another router's; this router has two in flight now.
-    shared = {"ongoing": 5, "ongoing_by_router": {ROUTER_ID: 2, "other": 3}}
-    assert replica_load(2, shared) == 5
-    assert replica_load(1, {}) == 1  # no report yet
+    shared = {"ongoing": 5, "ongoing_by_router": {"me": 2, "other": 3}}
+    assert replica_load("me", 2, shared) == 5
+    assert replica_load("me", 1, {}) == 1  # no report yet
 
 
 def test_router_learns_class_acceptance_from_replica_reports():
