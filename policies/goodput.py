@@ -26,6 +26,9 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
 - Step costs are measured on this replica every step (seeded by a profile table), not only
   profiled once, and interpolated piecewise in batch size so the regime knee is kept.
 - A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate.
+- A shift in first-position acceptance beyond `shift_threshold` restarts the acceptance
+  estimate (and sets the lagging cluster prior aside for a few decisions): at a phase change
+  the decayed windows would otherwise hold the old traffic for several decisions.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ from policies.signals import Decision, Signals, StepCost
 
 # Acceptance assumed at the first position before any measurement or cluster prior.
 DEFAULT_PRIOR_FIRST = 0.5
+# A shift in first-position acceptance counts only with this many drafts on both sides.
+SHIFT_MIN_DRAFTS = 16
+# After a shift, the cluster prior is left out for this many updates: the fleet's decayed
+# counts lag the same change.
+PRIOR_PAUSE_UPDATES = 8
 
 
 class GoodputConfig(BaseModel):
@@ -53,6 +61,10 @@ class GoodputConfig(BaseModel):
     """Engine steps to stay on a tier after switching."""
     acceptance_decay: float = Field(0.7, gt=0, le=1)
     """Per-decision decay of the per-position acceptance windows."""
+    shift_threshold: float = Field(0.3, gt=0, le=1)
+    """When a window's first-position acceptance differs from the decayed estimate by more
+    than this, the traffic changed (a new phase, a new mix): the estimate restarts from that
+    window instead of decaying towards it. 1 never restarts."""
     prior_strength: float = Field(4.0, ge=0)
     """The prior counts as this many drafts at every position."""
     probe_interval_steps: int = Field(256, ge=1)
@@ -144,26 +156,45 @@ def _interpolate(x: int, known: list[int], value_at: Callable[[int], float]) -> 
 class AcceptanceWindow:
     """Decayed per-position counts: p[k] = accepted[k] / drafted[k], blended with a prior."""
 
-    def __init__(self, kmax: int, decay: float, prior_strength: float):
+    def __init__(self, kmax: int, decay: float, prior_strength: float,
+                 shift_threshold: float = 1.0):
         self.decay = decay
         self.prior_strength = prior_strength
+        self.shift_threshold = shift_threshold
         self.accepted = [0.0] * kmax
         self.drafted = [0.0] * kmax
+        self._prior_paused = 0
 
     def update(self, accepted: tuple[int, ...], drafted: tuple[int, ...]) -> None:
         """Slide the windows when drafts arrived; at K=0 (no evidence at all) keep them.
 
         Positions deeper than the current K fade too, so their estimate moves to the
-        extrapolation from the fresh, shallower positions rather than staying stale.
+        extrapolation from the fresh, shallower positions rather than staying stale. A shift
+        (see `GoodputConfig.shift_threshold`) restarts every position: a decay would take
+        several decisions to forget the old traffic, and a high phase lasts tens of steps.
         """
         if not any(drafted):
             return
+        if self._shifted(accepted, drafted):
+            self.accepted = [0.0] * len(self.accepted)
+            self.drafted = [0.0] * len(self.drafted)
+            self._prior_paused = PRIOR_PAUSE_UPDATES
+        elif self._prior_paused:
+            self._prior_paused -= 1
         for k in range(len(self.accepted)):
             self.accepted[k] = self.accepted[k] * self.decay + (
                 accepted[k] if k < len(accepted) else 0)
             self.drafted[k] = self.drafted[k] * self.decay + (drafted[k] if k < len(drafted) else 0)
 
+    def _shifted(self, accepted: tuple[int, ...], drafted: tuple[int, ...]) -> bool:
+        fresh, past = drafted[0] if drafted else 0, self.drafted[0]
+        if fresh < SHIFT_MIN_DRAFTS or past < SHIFT_MIN_DRAFTS:
+            return False
+        return abs(accepted[0] / fresh - self.accepted[0] / past) > self.shift_threshold
+
     def rates(self, prior: tuple[float, ...]) -> list[float]:
+        if self._prior_paused:
+            prior = ()
         rates: list[float] = []
         for k in range(len(self.accepted)):
             guess = prior[k] if k < len(prior) else _extrapolate(rates)
@@ -197,7 +228,7 @@ class GoodputPolicy:
         for batch, k, seconds in config.profile:
             self.costs.seed(StepCost(batch, k, seconds))
         self.acceptance = AcceptanceWindow(max(1, max(candidates)), config.acceptance_decay,
-                                           config.prior_strength)
+                                           config.prior_strength, config.shift_threshold)
         self._steps_on_tier = 0
         self._share = (0.0, 0.0)  # decayed (sequence-steps that proposed, that could have)
         self._steps = 0

@@ -169,6 +169,23 @@ def test_goodput_prices_the_batch_the_engine_can_run():
     assert goodput().scores(backlog, [0.8] * 15) == goodput().scores(at_limit, [0.8] * 15)
 
 
+def test_goodput_restarts_its_estimate_when_the_traffic_shifts():
+    """A low-acceptance stretch, then high-acceptance traffic while the fleet's prior still
+    describes the old one: the estimate restarts and a deep tier wins at the first decision;
+    decaying towards the new traffic instead stays shallow."""
+    stale = ClusterView(effective_concurrency=8, acceptance_prior=(0.05,) * 15)
+
+    def first_decision_of_the_new_phase(**overrides) -> int:
+        policy, k = goodput(**overrides), 1
+        for _ in range(20):
+            k = policy.decide(window(k, 0.1, batch=8, cluster=stale)).k
+        assert k == 1
+        return policy.decide(window(k, 0.95, batch=8, cluster=stale)).k
+
+    assert first_decision_of_the_new_phase() >= 7
+    assert first_decision_of_the_new_phase(shift_threshold=1.0) <= 3
+
+
 def test_goodput_dwell_blocks_early_switches():
     policy = goodput(min_dwell_steps=100)
     assert all(policy.decide(window(3, 1.0, batch=1)).k == 3 for _ in range(20))
