@@ -327,11 +327,8 @@ class EngineReplica:
                 # Routers subtract their own share and count it themselves, fresher.
                 "ongoing_by_router": dict(self._ongoing_by_router),
                 "hub": self._hub,  # routers report what they routed to it
-                "effective": self._effective_concurrency(),
                 "class_acceptance": dict(self._class_acceptance),
-                "first_acceptance": self._first_acceptance,
-                "acceptance_rate": (counters.accepted_tokens / counters.draft_tokens
-                                    if counters.draft_tokens else None)}
+                "first_acceptance": self._first_acceptance}
 
     def stats(self) -> dict[str, Any]:
         counters = self.engine.counters()
