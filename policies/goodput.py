@@ -186,6 +186,14 @@ class AcceptanceWindow:
                 accepted[k] if k < len(accepted) else 0)
             self.drafted[k] = self.drafted[k] * self.decay + (drafted[k] if k < len(drafted) else 0)
 
+    def _contradicts(self, prior: tuple[float, ...]) -> bool:
+        """This replica's own first-position acceptance is far from the prior's: the prior
+        describes other traffic (another phase, or other classes under acceptance-aware
+        routing), so it says nothing about this replica's deeper positions either."""
+        if not prior or self.drafted[0] < SHIFT_MIN_DRAFTS:
+            return False
+        return abs(self.accepted[0] / self.drafted[0] - prior[0]) > self.shift_threshold
+
     def _shifted(self, accepted: tuple[int, ...], drafted: tuple[int, ...]) -> bool:
         fresh, past = drafted[0] if drafted else 0, self.drafted[0]
         if fresh < SHIFT_MIN_DRAFTS or past < SHIFT_MIN_DRAFTS:
@@ -193,7 +201,7 @@ class AcceptanceWindow:
         return abs(accepted[0] / fresh - self.accepted[0] / past) > self.shift_threshold
 
     def rates(self, prior: tuple[float, ...]) -> list[float]:
-        if self._prior_paused:
+        if self._prior_paused or self._contradicts(prior):
             prior = ()
         rates: list[float] = []
         for k in range(len(self.accepted)):

@@ -186,6 +186,18 @@ def test_goodput_restarts_its_estimate_when_the_traffic_shifts():
     assert first_decision_of_the_new_phase(shift_threshold=1.0) <= 3
 
 
+def test_goodput_sets_aside_a_prior_its_own_first_position_contradicts():
+    """Prompt lookup on sampled text rarely proposes, so a low phase leaves too little history
+    to call a shift; the fleet prior still says deep drafts fail. Once this replica measures
+    its first position landing at 0.95, the prior no longer describes its traffic."""
+    stale = ClusterView(effective_concurrency=8, acceptance_prior=(0.05,) * 15)
+    policy, k = goodput(switch_margin=0.1), 1  # K=0 is not 10% better: K=1 stays
+    for _ in range(20):
+        k = policy.decide(window(k, 0.1, batch=8, cluster=stale, proposing=0.05)).k
+    assert k == 1 and policy.acceptance.drafted[0] < 16
+    assert policy.decide(window(k, 0.95, batch=8, cluster=stale)).k >= 7
+
+
 def test_goodput_dwell_blocks_early_switches():
     policy = goodput(min_dwell_steps=100)
     assert all(policy.decide(window(3, 1.0, batch=1)).k == 3 for _ in range(20))
