@@ -157,8 +157,10 @@ async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
     stop = asyncio.Event()
     tracker = asyncio.create_task(track_tiers(client, stop, origin, timeline))
     mode_started = time.perf_counter() - origin
-    results = [await run_phase(client, phase, seed_base=100 * i) for i, phase in
-               enumerate(phases)]
+    results, phase_started = [], []
+    for i, phase in enumerate(phases):
+        phase_started.append(time.perf_counter() - origin)
+        results.append(await run_phase(client, phase, seed_base=100 * i))
     stop.set()
     await tracker
     switches = sum(r["switch_count"] for r in await client.replicas()) - switches_before
@@ -176,6 +178,7 @@ async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
         "phase_accept_len": {r.name: r.accept_len for r in results},
         "timeline": timeline,
         "started_s": mode_started,
+        "phase_started_s": phase_started,
     }
     print(f"{mode:10s} {summary['throughput']:8.1f} tok/s  accept_len "
           f"{summary['accept_len']:.2f}  switches {switches}  errors {summary['errors']}",
@@ -209,7 +212,7 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return statistics.median(r[key] for r in runs)
 
     per_round = [{k: v for k, v in r.items() if k not in ("timeline", "started_s")}
-                 for r in runs]
+                 for r in runs]  # each keeps its phase start times
     return {
         "throughput": median_of("throughput"), "latency_s": median_of("latency_s"),
         "accept_len": median_of("accept_len"), "switches": median_of("switches"),
