@@ -52,7 +52,7 @@ from policies.signals import ClusterView, batch_class_acceptance, blend_rate
 from replicas.control_loop import ControlLoop
 from replicas.engines.base import GenerationRequest, add_per_position
 from replicas.engines.sim_engine import SimulatedEngine
-from replicas.engines.sim_presets import PRESETS
+from replicas.engines.sim_presets import PRESETS, SimPreset
 from replicas.tier_pool import TierPool
 
 PRESET = "h20-llama8b-ngram"
@@ -133,6 +133,8 @@ class SimReplica:
     busy: bool = False
     in_flight: dict[str, Tracked] = field(default_factory=dict)
     """By request id."""
+    class_tokens: dict[str, int] = field(default_factory=dict)
+    """Tokens asked of this replica, per request class."""
     # Per class, (steps that landed a draft, drafting steps) since the last report.
     class_window: dict[str, list[int]] = field(default_factory=dict)
     class_acceptance: dict[str, float] = field(default_factory=dict)
@@ -193,6 +195,9 @@ class ModeOutcome:
     slo_requests: int = 0
     latencies: list[float] = field(default_factory=list)
     switches: int = 0
+    gathered: float = 0.0
+    """Token-weighted share of each replica's work that is its main request class: about the
+    main class's token share when classes mix at random, 1 when each replica serves one."""
     end_s: float = 0.0
     wall_s: float = 0.0
 
@@ -283,6 +288,8 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                 request_id=f"q{serial}", prompt="sim", max_tokens=arrival.max_tokens,
                 request_class=CLASSES[arrival.request_class], seed=serial))
             replica.in_flight[entry.request.request_id] = Tracked(arrival, entry)
+            replica.class_tokens[arrival.request_class] = \
+                replica.class_tokens.get(arrival.request_class, 0) + arrival.max_tokens
             if not replica.busy:
                 start_step(target, now)
         elif kind == "step":
@@ -309,6 +316,8 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
             if arrivals_left or any(r.in_flight for r in fleet):
                 schedule(now + TELEMETRY_PERIOD_S, "hub", 0)
     outcome.switches = sum(r.pool.switch_count for r in fleet)
+    outcome.gathered = sum(max(r.class_tokens.values(), default=0) for r in fleet) / \
+        sum(sum(r.class_tokens.values()) for r in fleet)
     outcome.wall_s = time.perf_counter() - started
     return outcome
 
@@ -322,7 +331,8 @@ def summarise(outcome: ModeOutcome, replicas: int) -> dict[str, Any]:
             "p50_s": statistics.median(latencies),
             "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
             "switches_per_replica_hour": outcome.switches / replica_hours,
-            "requests": len(latencies), "simulated_s": outcome.end_s, "wall_s": outcome.wall_s}
+            "gathered": outcome.gathered, "requests": len(latencies),
+            "simulated_s": outcome.end_s, "wall_s": outcome.wall_s}
 
 
 def verdicts(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -339,19 +349,45 @@ def verdicts(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
             max(switches_cluster, 1e-9)}
 
 
+def gathering_bound(preset: SimPreset, shares: dict[str, float], batch: int
+                    ) -> tuple[float, float]:
+    """Tokens/s of one replica at `batch` for this class mix (token shares): every replica
+    serving the mix at its best single K, against replicas that each serve one class at that
+    class's best K (as many replicas per class as its work needs). It bounds what gathering
+    similar requests can give in this cost model. A class that needs more steps per token
+    holds more of a mixed batch's slots, so a mixed replica makes
+    B / (t(B, K) * sum_c share_c / length_c(K)) tokens per second."""
+    def length(request_class: str, k: int) -> float:
+        return 1 + preset.acceptance[CLASSES[request_class]].mean_run(k)
+
+    mixed = max(batch / (preset.step_seconds(batch, k) *
+                         sum(share / length(c, k) for c, share in shares.items()))
+                for k in CANDIDATES)
+    gathered = 1 / sum(share * min(preset.step_seconds(batch, k) / (batch * length(c, k))
+                                   for k in CANDIDATES) for c, share in shares.items())
+    return mixed, gathered
+
+
+def token_shares(arrivals: list[Arrival]) -> dict[str, float]:
+    total = sum(a.max_tokens for a in arrivals)
+    return {c: sum(a.max_tokens for a in arrivals if a.request_class == c) / total
+            for c in CLASSES}
+
+
 def report(runs: dict[int, dict[str, Any]]) -> str:
     parts = []
     for replicas, run in runs.items():
         modes = run["modes"]
         rows = [[m, f"{r['goodput']:.0f}", f"{r['slo_attainment']:.1%}",
                  f"{r['throughput']:.0f}", f"{r['p50_s']:.2f}",
-                 f"{r['p99_s']:.2f}", f"{r['switches_per_replica_hour']:.0f}", r["requests"],
-                 f"{r['wall_s']:.1f}"] for m, r in modes.items()]
+                 f"{r['p99_s']:.2f}", f"{r['switches_per_replica_hour']:.0f}",
+                 f"{r['gathered']:.2f}", r["requests"], f"{r['wall_s']:.1f}"]
+                for m, r in modes.items()]
         parts.append(print_table(
             f"{replicas} REPLICAS (SIMULATOR, {run['arrivals']} requests, "
             f"{run['duration_s']:.0f} s of arrivals)",
             ["mode", "goodput tok/s", "SLO met", "throughput tok/s", "p50 s", "p99 s",
-             "switches / replica-hour", "requests", "wall s"], rows))
+             "switches / replica-hour", "gathered", "requests", "wall s"], rows))
     rows = []
     for replicas, run in runs.items():
         v = run["verdicts"]
@@ -362,6 +398,14 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
         "CLUSTER-AWARE VS LOCAL-ONLY (goodput ratios)",
         ["replicas", "best static", "best local", "best cluster-aware",
          "cluster / best local", "cluster / best static", "ema switches / cluster's"], rows))
+    shares = next(iter(runs.values()))["token_shares"]
+    bounds = {b: gathering_bound(PRESETS[PRESET], shares, b) for b in (16, 32, 64)}
+    parts.append(print_table(
+        "WHAT GATHERING CLASSES CAN GIVE AT MOST (cost model, tok/s per replica; token shares "
+        + ", ".join(f"{c} {s:.0%}" for c, s in shares.items()) + ")",
+        ["batch", "mixed, best single K", "one class per replica, its best K", "ratio"],
+        [[b, f"{mixed:.0f}", f"{gathered:.0f}", f"{gathered / mixed:.3f}"]
+         for b, (mixed, gathered) in bounds.items()]))
     return "\n\n".join(parts)
 
 
@@ -421,7 +465,7 @@ def main() -> None:
             print(f"{replicas:4d} replicas {mode:16s} goodput {results[mode]['goodput']:9.0f} "
                   f"tok/s  wall {outcome.wall_s:5.1f} s", flush=True)
         runs[replicas] = {"arrivals": len(arrivals), "duration_s": duration,
-                          "modes": results}
+                          "token_shares": token_shares(arrivals), "modes": results}
         if set(MODES) <= set(modes):
             runs[replicas]["verdicts"] = verdicts(results)
     complete = {n: r for n, r in runs.items() if "verdicts" in r}

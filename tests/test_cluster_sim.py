@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from bench.cluster_sim import LoadShape, simulate, summarise, workload
+from bench.cluster_sim import PRESET, LoadShape, gathering_bound, simulate, summarise, workload
+from replicas.engines.sim_presets import PRESETS
 
 REPLICAS, DURATION_S = 4, 6.0
 
@@ -28,6 +29,7 @@ def test_every_request_is_served_and_counted(arrivals, mode):
     assert (summary["goodput"] == outcome.tokens / DURATION_S) == \
         (summary["slo_attainment"] == 1)
     assert summary["p50_s"] <= summary["p99_s"]
+    assert 1 / 3 <= summary["gathered"] <= 1  # three classes
     if mode.startswith("static"):
         assert outcome.switches == 0
 
@@ -38,3 +40,11 @@ def test_workload_is_bursty_and_skewed(arrivals):
     assert len(shares) == 3 and max(shares.values()) > 0.4  # Zipf tenants skew the mix
     per_second = [sum(1 for a in arrivals if s <= a.at < s + 1) for s in range(int(DURATION_S))]
     assert max(per_second) > 2 * min(per_second)  # bursts
+
+
+def test_gathering_classes_pays_only_for_a_mix():
+    preset = PRESETS[PRESET]
+    mixed, gathered = gathering_bound(preset, {"copy": 1.0, "code": 0.0, "chat": 0.0}, 32)
+    assert gathered == pytest.approx(mixed)
+    mixed, gathered = gathering_bound(preset, {"copy": 0.5, "code": 0.0, "chat": 0.5}, 32)
+    assert gathered > 1.05 * mixed

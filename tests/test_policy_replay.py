@@ -48,4 +48,5 @@ def test_acceptance_mixture_matches_its_expected_run_length() -> None:
     runs = [acceptance.accepted_run(rng, k) for _ in range(20000)]
     expected = sum(0.25 * 0.999 ** i + 0.75 * 0.5 ** i for i in range(1, k + 1))
     assert sum(runs) / len(runs) == pytest.approx(expected, rel=0.03)
+    assert acceptance.mean_run(k) == pytest.approx(expected)
     assert max(runs) == k and min(runs) == 0

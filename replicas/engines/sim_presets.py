@@ -33,6 +33,11 @@ class Acceptance:
         object.__setattr__(self, "_inv_log_free", _inverse_log(self.free_rate))
         object.__setattr__(self, "_inv_log_copy", _inverse_log(self.copy_rate))
 
+    def mean_run(self, k: int) -> float:
+        """Expected drafts accepted per step at depth k: sum over j <= k of P(run >= j)."""
+        return sum(self.copy_share * self.copy_rate ** j +
+                   (1 - self.copy_share) * self.free_rate ** j for j in range(1, k + 1))
+
     def accepted_run(self, rng: random.Random, k: int) -> int:
         """Drafts accepted before the first miss, out of k: one draw picks the regime, one
         more the run, by inverting P(run >= j) = rate^j (one draw per position would make
