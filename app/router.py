@@ -99,8 +99,9 @@ def rank_replicas(replicas: list[ReplicaLoad], acceptance: float, load_slack: in
         distance = abs(acceptance - r.acceptance) if r.acceptance is not None else 0.25
         return round(distance, 2), -r.active_k if deep_first else r.active_k, r.load
 
-    near.sort(key=fit)
-    best = [r.replica_id for r in near if fit(r) == fit(near[0])]
+    scored = [(fit(r), r.replica_id) for r in near]  # fit once per replica: a hot path
+    top = min(score for score, _ in scored)
+    best = [replica_id for score, replica_id in scored if score == top]
     rest = sorted((r for r in replicas if r.replica_id not in best), key=lambda r: r.load)
     return [best, [r.replica_id for r in rest]] if rest else [best]
 
