@@ -38,8 +38,7 @@ import random
 import time
 import uuid
 from collections import Counter, defaultdict
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -57,8 +56,7 @@ T = TypeVar("T")
 logger = logging.getLogger("ray.serve")
 
 
-@dataclass(frozen=True)
-class ReplicaLoad:
+class ReplicaLoad(NamedTuple):  # a tuple: routers build one per candidate per request
     replica_id: str
     load: int
     active_k: int

@@ -22,6 +22,13 @@ and comes mostly from one tenant. Modes:
 | goodput_local | goodput | local batch | no | power of two choices |
 | goodput_cluster | goodput | effective (cluster) | yes | power of two choices |
 | goodput_routed | goodput | effective (cluster) | yes | tier-aware (`rank_replicas`) |
+| oracle_k | exact best K per step (a bound) | exact | - | power of two choices |
+
+`oracle_k` is a SIMULATOR-only reference: each decision it knows every queued request's true
+acceptance model and the true step cost, which no engine knows. It bounds what any choice of K
+can give under this load with Ray Serve's routing; the distance from the best local-only policy
+to it is all a cluster view could add to the choice of K (routing can add more: see the
+gathering bound).
 
 Reported per mode: goodput (tokens of the requests that met the latency SLO, per second of
 arrivals; the run drains, so a request counts wherever it finishes), the share of requests that
@@ -38,6 +45,7 @@ import json
 import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +56,7 @@ from bench.policy_replay import CANDIDATES
 from bench.policy_replay import policy_config as replay_policy_config
 from bench.report import print_table
 from policies.registry import build_policy
-from policies.signals import ClusterView, batch_class_acceptance, blend_rate
+from policies.signals import ClusterView, Decision, Signals, batch_class_acceptance, blend_rate
 from replicas.control_loop import ControlLoop
 from replicas.engines.base import GenerationRequest, add_per_position
 from replicas.engines.sim_engine import SimulatedEngine
@@ -61,7 +69,8 @@ CLASSES = {"copy": "high_2", "code": "low_2", "chat": "low_1"}
 STATIC = ("static1", "static3", "static7", "static15")
 LOCAL = ("batch_table", "ema", "goodput_local")
 CLUSTER = ("goodput_cluster", "goodput_routed")
-MODES = (*STATIC, *LOCAL, *CLUSTER)
+ORACLE = "oracle_k"
+MODES = (*STATIC, *LOCAL, *CLUSTER, ORACLE)
 TELEMETRY_PERIOD_S = 0.5  # as the replica deployment's hub exchange
 
 
@@ -133,6 +142,7 @@ class SimReplica:
     busy: bool = False
     in_flight: dict[str, Tracked] = field(default_factory=dict)
     """By request id."""
+    in_flight_classes: Counter[str] = field(default_factory=Counter)
     class_tokens: dict[str, int] = field(default_factory=dict)
     """Tokens asked of this replica, per request class."""
     # Per class, (steps that landed a draft, drafting steps) since the last report.
@@ -146,8 +156,8 @@ class SimReplica:
 
     def batch_class_acceptance(self) -> float | None:
         """As the replica deployment: its requests' classes' past first-draft acceptance."""
-        return batch_class_acceptance((t.arrival.request_class for t in self.in_flight.values()),
-                                      self.class_acceptance, self.fleet_class_acceptance)
+        return batch_class_acceptance(self.in_flight_classes, self.class_acceptance,
+                                      self.fleet_class_acceptance)
 
     @property
     def load(self) -> int:
@@ -213,6 +223,29 @@ class ModeOutcome:
             self.slo_requests += 1
 
 
+class OracleK:
+    """The K that maximises the next step's tokens/s, from the true acceptance of each request
+    it will run and the true step cost (see `ORACLE`); no margin, no dwell."""
+
+    name = ORACLE
+
+    def __init__(self, engine: SimulatedEngine, candidates: tuple[int, ...]):
+        self.engine = engine
+        self.candidates = candidates
+
+    def decide(self, signals: Signals) -> Decision:
+        batch = self.engine.next_batch_acceptance()
+        size = sum(batch.values())
+        if not size:
+            return Decision(signals.current_k, "idle")
+
+        def tokens_per_second(k: int) -> float:
+            tokens = sum(n * (1 + acceptance.mean_run(k)) for acceptance, n in batch.items())
+            return tokens / self.engine.preset.step_seconds(size, k)
+
+        return Decision(max(self.candidates, key=tokens_per_second), "oracle")
+
+
 def policy_for(mode: str) -> dict[str, Any]:
     if mode.startswith("goodput"):
         config = replay_policy_config("goodput", PRESET)
@@ -236,8 +269,10 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
         pool = TierPool(engine, CANDIDATES, initial_k=int(mode[6:]) if mode in STATIC else 3)
         await pool.apply_initial()
         replica = SimReplica(f"r{i}", engine, pool)
+        policy = OracleK(engine, CANDIDATES) if mode == ORACLE else \
+            build_policy(policy_for(mode), CANDIDATES)
         replica.loop = ControlLoop(
-            engine, pool, build_policy(policy_for(mode), CANDIDATES),
+            engine, pool, policy,
             max_batch=engine.max_num_seqs,
             class_acceptance=replica.batch_class_acceptance if uses_cluster else None)
         fleet.append(replica)
@@ -288,6 +323,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                 request_id=f"q{serial}", prompt="sim", max_tokens=arrival.max_tokens,
                 request_class=CLASSES[arrival.request_class], seed=serial))
             replica.in_flight[entry.request.request_id] = Tracked(arrival, entry)
+            replica.in_flight_classes[arrival.request_class] += 1
             replica.class_tokens[arrival.request_class] = \
                 replica.class_tokens.get(arrival.request_class, 0) + arrival.max_tokens
             if not replica.busy:
@@ -297,10 +333,11 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
             replica.busy = False
             for entry in replica.engine.just_finished:
                 tracked = replica.in_flight.pop(entry.request.request_id)
+                replica.in_flight_classes[tracked.arrival.request_class] -= 1
                 replica.count_first_drafts(tracked)
                 outcome.finish(tracked, now, slo_ttft_s, slo_tpot_s)
             steps, _, _ = await replica.loop.tick(replica.cluster if uses_cluster else None)
-            for step in steps:
+            for step in steps:  # counted when the step ends, as a replica learns of it
                 if now <= duration_s:
                     outcome.window_tokens += step.generated_tokens
                 add_per_position(replica.window_accepted, step.accepted_per_pos)
@@ -346,7 +383,8 @@ def verdicts(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "cluster_vs_best_static": modes[best_cluster]["goodput"] /
             modes[best_static]["goodput"],
             "ema_switches_vs_cluster": modes["ema"]["switches_per_replica_hour"] /
-            max(switches_cluster, 1e-9)}
+            max(switches_cluster, 1e-9),
+            "oracle_vs_best_local": modes[ORACLE]["goodput"] / modes[best_local]["goodput"]}
 
 
 def gathering_bound(preset: SimPreset, shares: dict[str, float], batch: int
@@ -393,11 +431,12 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
         v = run["verdicts"]
         rows.append([replicas, v["best_static"], v["best_local"], v["best_cluster"],
                      f"{v['cluster_vs_best_local']:.3f}", f"{v['cluster_vs_best_static']:.3f}",
-                     f"{v['ema_switches_vs_cluster']:.1f}x"])
+                     f"{v['ema_switches_vs_cluster']:.1f}x", f"{v['oracle_vs_best_local']:.3f}"])
     parts.append(print_table(
         "CLUSTER-AWARE VS LOCAL-ONLY (goodput ratios)",
         ["replicas", "best static", "best local", "best cluster-aware",
-         "cluster / best local", "cluster / best static", "ema switches / cluster's"], rows))
+         "cluster / best local", "cluster / best static", "ema switches / cluster's",
+         "oracle K / best local"], rows))
     shares = next(iter(runs.values()))["token_shares"]
     bounds = {b: gathering_bound(PRESETS[PRESET], shares, b) for b in (16, 32, 64)}
     parts.append(print_table(

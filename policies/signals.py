@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,9 +120,15 @@ def blend_rate(old: float | None, fresh: float, weight_new: float = 0.3) -> floa
     return fresh if old is None else old + weight_new * (fresh - old)
 
 
-def batch_class_acceptance(classes: Iterable[str], own: dict[str, float],
+def batch_class_acceptance(class_counts: Mapping[str, int], own: dict[str, float],
                            fleet: dict[str, float]) -> float | None:
-    """Mean past first-draft acceptance of these request classes: the replica's own statistics
-    for a class, else the fleet's; None when no class is known at all."""
-    known = [value for value in (own.get(c, fleet.get(c)) for c in classes) if value is not None]
-    return sum(known) / len(known) if known else None
+    """Mean past first-draft acceptance of the requests on a replica, given how many of each
+    class it holds: the replica's own statistics for a class, else the fleet's; None when no
+    class is known at all."""
+    total = weighted = 0.0
+    for request_class, count in class_counts.items():
+        value = own.get(request_class, fleet.get(request_class))
+        if value is not None and count > 0:
+            total += count
+            weighted += count * value
+    return weighted / total if total else None

@@ -316,7 +316,8 @@ class EngineReplica:
 
     def _batch_class_acceptance(self) -> float | None:
         """Mean past first-draft acceptance of the classes of the requests on this replica."""
-        return batch_class_acceptance(self._request_class.values(), self._class_acceptance,
+        return batch_class_acceptance(Counter(self._request_class.values()),
+                                      self._class_acceptance,
                                       self._fleet_class_acceptance)
 
     def record_routing_stats(self) -> dict[str, Any]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import pytest
 
 from app.router import ReplicaLoad, expected_acceptance, rank_replicas, replica_load
 from app.telemetry_hub import PRIOR_DECAY, ClusterState
 from policies.registry import build_policy
+from policies.signals import batch_class_acceptance
 from replicas.control_loop import ControlLoop, fold_steps
 from replicas.engines.base import GenerationRequest, StepRecord
 from replicas.engines.sim_engine import SimulatedEngine
@@ -140,3 +142,11 @@ def test_hub_keeps_the_newest_fleet_wide_change_whatever_the_arrival_order():
     assert hub.view("any")["policy_override"] == newer
     hub.set_override(None, 30.0)  # a redeployed user_config supersedes both
     assert hub.view("any")["policy_override"] is None
+
+
+def test_batch_class_acceptance_weighs_classes_by_their_requests():
+    own, fleet = {"copy": 0.9}, {"copy": 0.5, "chat": 0.1}
+    # Own statistics win over the fleet's; the fleet fills a class the replica has not seen.
+    assert batch_class_acceptance(Counter(copy=3, chat=1), own, fleet) == \
+        pytest.approx((3 * 0.9 + 0.1) / 4)
+    assert batch_class_acceptance(Counter(unknown=5, copy=0), own, fleet) is None

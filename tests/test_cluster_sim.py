@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import pytest
 
-from bench.cluster_sim import PRESET, LoadShape, gathering_bound, simulate, summarise, workload
+from bench.cluster_sim import (
+    PRESET,
+    LoadShape,
+    OracleK,
+    gathering_bound,
+    simulate,
+    summarise,
+    workload,
+)
+from bench.policy_replay import CANDIDATES
+from policies.signals import Signals
+from replicas.engines.base import GenerationRequest
+from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS
 
 REPLICAS, DURATION_S = 4, 6.0
@@ -17,7 +30,7 @@ def arrivals():
     return workload(REPLICAS, DURATION_S, LoadShape(), seed=1)
 
 
-@pytest.mark.parametrize("mode", ["static3", "goodput_local", "goodput_routed"])
+@pytest.mark.parametrize("mode", ["static3", "goodput_local", "goodput_routed", "oracle_k"])
 def test_every_request_is_served_and_counted(arrivals, mode):
     outcome = asyncio.run(simulate(mode, REPLICAS, arrivals, DURATION_S, 2.0, 0.02, seed=1))
     summary = summarise(outcome, REPLICAS)
@@ -48,3 +61,34 @@ def test_gathering_classes_pays_only_for_a_mix():
     assert gathered == pytest.approx(mixed)
     mixed, gathered = gathering_bound(preset, {"copy": 0.5, "code": 0.0, "chat": 0.5}, 32)
     assert gathered > 1.05 * mixed
+
+
+def _engine_with(request_class: str, requests: int, max_num_seqs: int = 64):
+    engine = SimulatedEngine(PRESETS[PRESET], kmax=15, max_num_seqs=max_num_seqs)
+    for i in range(requests):
+        engine.submit(GenerationRequest(request_id=f"r{i}", prompt="sim", max_tokens=64,
+                                        request_class=request_class))
+    return engine
+
+
+def test_next_batch_acceptance_counts_what_the_next_step_runs():
+    engine = _engine_with("high_2", 6, max_num_seqs=4)
+    engine.admit()
+    engine.submit(GenerationRequest(request_id="x", prompt="sim", max_tokens=64,
+                                    request_class="low_1"))
+    # Four running, the rest wait: the batch limit decides, not the queue.
+    assert engine.next_batch_acceptance() == Counter({PRESETS[PRESET].acceptance["high_2"]: 4})
+
+
+@pytest.mark.parametrize(("request_class", "requests", "expected_k"),
+                         [("high_2", 4, 15), ("low_1", 64, 1)])
+def test_oracle_picks_the_true_best_k(request_class, requests, expected_k):
+    """A copy-like batch of 4 runs deepest; a chat-like batch of 64 at K=1 (the preset's
+    verify cost grows with batch x K past its knee)."""
+    engine = _engine_with(request_class, requests)
+    oracle = OracleK(engine, CANDIDATES)
+    signals = Signals(candidates=CANDIDATES, current_k=3, steps=1, running=0, waiting=requests)
+    preset, acceptance = PRESETS[PRESET], PRESETS[PRESET].acceptance[request_class]
+    rate = {k: (1 + acceptance.mean_run(k)) / preset.step_seconds(requests, k)
+            for k in CANDIDATES}
+    assert oracle.decide(signals).k == max(rate, key=rate.get) == expected_k

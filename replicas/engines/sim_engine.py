@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from itertools import chain, islice
 
 from replicas.engines.base import (
     EngineCounters,
@@ -147,6 +148,12 @@ class SimulatedEngine:
             admitted.append(entry)
         return admitted
 
+    def next_batch_acceptance(self) -> Counter[Acceptance]:
+        """The acceptance models of the requests the next step will run (how many of each).
+        Only a simulator knows this: it lets `bench.cluster_sim` compute an oracle bound."""
+        queued = islice(self._waiting, max(0, self.max_num_seqs - len(self._running)))
+        return Counter(entry.acceptance for entry in chain(self._running.values(), queued))
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         prompt = self._validate(request)
         entry = self.submit(request, stream=True)
@@ -183,12 +190,15 @@ class SimulatedEngine:
         runs = [0] * (k + 1)  # a histogram of accepted-run lengths, then runs >= p
         generated = 0
         self.just_finished = []
-        for entry in batch:
-            run = entry.acceptance.accepted_run(entry.rng, k)
-            runs[run] += 1
+        for entry in batch:  # the simulator's hot loop: one pass per sequence-step
             if k:
+                run = entry.acceptance.accepted_run(entry.rng, k)
+                runs[run] += 1
                 entry.drafting_steps += 1
-                entry.first_landed += run > 0
+                if run:
+                    entry.first_landed += 1
+            else:
+                run = 0
             left = entry.request.max_tokens - entry.generated
             tokens = run + 1 if run < left else left
             entry.generated += tokens
