@@ -65,10 +65,10 @@ def summarise(steps: list[StepRecord]) -> tuple[float, float]:
 
 
 async def measure(engine: VllmEngine, pool: TierPool, drafter: str, rounds: int,
-                  max_tokens: int) -> list[Row]:
+                  max_tokens: int, concurrencies: tuple[int, ...] = CONCURRENCY) -> list[Row]:
     rows = []
     for workload, prompts in WORKLOADS.items():
-        for concurrency in CONCURRENCY:
+        for concurrency in concurrencies:
             batch = [prompts[i % len(prompts)] for i in range(concurrency)]
             await pool.switch(0)
             await run_batch(engine, batch, 8)  # warm caches for this batch shape
@@ -139,7 +139,8 @@ async def bench(args: argparse.Namespace) -> dict:
         try:
             pool = TierPool(engine, TIERS, initial_k=0)
             await pool.apply_initial()
-            rows = await measure(engine, pool, drafter, args.rounds, args.max_tokens)
+            rows = await measure(engine, pool, drafter, args.rounds, args.max_tokens,
+                                 tuple(args.concurrency))
             results["rows"].extend(asdict(r) for r in rows)
             results["acceptance"].extend(await acceptance_summary(engine, pool, drafter))
             results["switch_cost"][drafter] = await switch_cost(engine, pool, args.switches)
@@ -176,7 +177,7 @@ def plot(results: dict, path: Path) -> None:
     panels = sorted({(r["drafter"], r["workload"]) for r in results["rows"]})
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
     for ax, (drafter, workload) in zip(axes[0], panels, strict=True):
-        for concurrency in CONCURRENCY:
+        for concurrency in sorted({r["concurrency"] for r in results["rows"]}):
             rows = [r for r in results["rows"] if (r["drafter"], r["workload"],
                                                    r["concurrency"]) == (drafter, workload,
                                                                          concurrency)]
@@ -193,6 +194,8 @@ def main() -> None:
     parser.add_argument("--drafters", nargs="+", default=["ngram", "draft_model"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
+                        help="batch sizes to measure (the step-cost profile's rows)")
     parser.add_argument("--switches", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--markdown", type=Path, default=Path("bench/results/engine_bench.md"))
