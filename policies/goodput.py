@@ -39,7 +39,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.signals import Decision, Signals, StepCost
+from policies.signals import Decision, RequestAcceptance, Signals, StepCost
 
 # Acceptance assumed at the first position before any measurement or cluster prior.
 DEFAULT_PRIOR_FIRST = 0.5
@@ -89,25 +89,42 @@ class StepCostModel:
       `PRIOR_STEPS` steps, rather than from one raw sample;
     - at a batch size, predictions never fall as K grows (verifying more tokens does not cost
       less): a deep tier that looked cheap by luck would otherwise win with nothing accepted.
+
+    A profile (`seed`) gives the shape across batch and K, not the level: in the serving app a
+    step also carries prefills, streaming and the other processes on the machine, and costs
+    more than the engine alone in `bench.engine_bench`. Unscaled, every tier not yet measured
+    would look cheap, and the policy would cycle through them (each measurement making the
+    next unmeasured tier the best). So profiled points not yet measured are scaled by the
+    running ratio of measured steps to what the profile predicts for them.
     """
 
     PRIOR_STEPS = 4.0
 
     def __init__(self, decay: float):
         self.max_weight = math.inf if decay >= 1 else 1 / (1 - decay)
-        self._points: dict[int, dict[int, list[float]]] = {}  # k -> batch -> [seconds, weight]
+        # k -> batch -> [seconds, weight, measured (1.0) or profiled only (0.0)]
+        self._points: dict[int, dict[int, list[float]]] = {}
+        self._profile: dict[int, dict[int, list[float]]] = {}
+        self.scale, self._scale_weight = 1.0, self.PRIOR_STEPS
+        """Measured step time over the profile's prediction (1 without a profile)."""
 
     def seed(self, cost: StepCost) -> None:
         """A profiled point, worth `PRIOR_STEPS` measured steps."""
-        self._points.setdefault(cost.k, {})[cost.batch] = [cost.seconds, self.PRIOR_STEPS]
+        self._points.setdefault(cost.k, {})[cost.batch] = [cost.seconds, self.PRIOR_STEPS, 0.0]
+        self._profile.setdefault(cost.k, {})[cost.batch] = [cost.seconds]
 
     def observe(self, cost: StepCost) -> None:
         if cost.seconds <= 0 or cost.batch <= 0:
             return
+        profiled = _predict_row(self._profile, lambda p: p[0], cost.batch, (cost.k,))
+        if profiled:
+            self._scale_weight = min(self._scale_weight + 1, self.max_weight)
+            self.scale += (cost.seconds / profiled[cost.k] - self.scale) / self._scale_weight
         point = self._points.get(cost.k, {}).get(cost.batch)
-        if point is None:
+        if point is None or not point[2]:
             guess = self.predict(cost.batch, cost.k)
-            point = [cost.seconds, 0.0] if guess is None else [guess, self.PRIOR_STEPS]
+            point = [cost.seconds, 0.0, 1.0] if guess is None else \
+                [guess, self.PRIOR_STEPS, 1.0]
             self._points.setdefault(cost.k, {})[cost.batch] = point
         point[1] = min(point[1] + 1, self.max_weight)
         point[0] += (cost.seconds - point[0]) / point[1]
@@ -115,25 +132,34 @@ class StepCostModel:
     def known(self) -> list[int]:
         return sorted(self._points)
 
-    def _at_batch(self, k: int, batch: int) -> float:
-        points = self._points[k]
-        return _interpolate(batch, sorted(points), lambda b: points[b][0])
+    def _value(self, point: list[float]) -> float:
+        return point[0] if point[2] else point[0] * self.scale
 
     def predict_row(self, batch: int, ks: tuple[int, ...]) -> dict[int, float]:
         """Seconds of a step of `batch` sequences at each depth in `ks` (empty before any
-        measurement); an unmeasured K is interpolated (or extrapolated) linearly in K
-        between measured neighbours."""
-        known = self.known()
-        if not known:
-            return {}
-        measured, floor = {}, 0.0
-        for k in known:
-            floor = max(floor, self._at_batch(k, batch))
-            measured[k] = floor
-        return {k: _interpolate(k, known, measured.__getitem__) for k in ks}
+        measurement or profile); an unmeasured K is interpolated (or extrapolated) linearly
+        in K between known neighbours."""
+        return _predict_row(self._points, self._value, batch, ks)
 
     def predict(self, batch: int, k: int) -> float | None:
         return self.predict_row(batch, (k,)).get(k)
+
+
+def _predict_row(table: dict[int, dict[int, list[float]]], value: Callable[[list[float]], float],
+                 batch: int, ks: tuple[int, ...]) -> dict[int, float]:
+    """Per K in `ks`, the cost at `batch` from a table of k -> batch -> point: piecewise-linear
+    in batch per known K, made non-decreasing in K, then piecewise-linear in K."""
+    known = sorted(table)
+    if not known:
+        return {}
+    at_batch, floor = {}, 0.0
+    for k in known:
+        points = table[k]
+        here = value(points[batch]) if batch in points else \
+            _interpolate(batch, sorted(points), lambda b, points=points: value(points[b]))
+        floor = max(floor, here)
+        at_batch[k] = floor
+    return {k: _interpolate(k, known, at_batch.__getitem__) for k in ks}
 
 
 def _interpolate(x: int, known: list[int], value_at: Callable[[int], float]) -> float:
@@ -213,6 +239,58 @@ class AcceptanceWindow:
         return rates
 
 
+def steady_lengths(requests: tuple[RequestAcceptance, ...], landing: list[float],
+                   prior_strength: float, ks: tuple[int, ...]) -> dict[int, float] | None:
+    """Tokens per sequence-step at each depth in `ks` once the batch's mix has settled there;
+    None when no request drafted in its window.
+
+    Speculation changes a batch's mix: requests whose drafts land finish in fewer steps at a
+    deeper K, and their slots go to requests whose drafts fail. Each kind of request keeps its
+    share w_r of the tokens (its share of the tokens generated in its window), so the batch
+    makes 1 / sum_r (w_r / L_r(K)) tokens per sequence-step: a harmonic mean. The mean over the
+    batch as it is now overstates a deeper K for a mixed batch, and once there it still
+    prefers the deep K at that K's own, thinner mix.
+
+    L_r(K) = 1 + sum_{k<K} r_k, where r_k is the request's share of steps with more than k
+    drafts accepted among its steps that drafted position k, shrunk with `prior_strength`
+    steps towards a guess: `landing[k]` (the replica's per-sequence-step rate) at the first
+    position, else the request's previous position times the replica's conditional rate
+    there (which also extends the request past the deepest position it drafted).
+    """
+    kmax = len(landing)
+    total_tokens, weighted_steps = 0.0, dict.fromkeys(ks, 0.0)
+    drafting = False
+    for request in requests:
+        by_depth, by_accepted = [0] * (kmax + 1), [0] * (kmax + 1)
+        tokens = 0
+        for accepted, drafted in zip(request.accepted, request.drafted, strict=True):
+            depth = min(drafted, kmax)
+            by_depth[depth] += 1
+            by_accepted[min(accepted, depth)] += 1
+            tokens += min(accepted, depth) + 1
+        if not tokens:
+            continue
+        drafting = drafting or by_depth[0] < sum(by_depth)
+        cumulative, rate = [1.0], 1.0
+        for k in range(kmax - 1, -1, -1):  # suffix sums: steps that drafted / passed k
+            by_depth[k] += by_depth[k + 1]
+            by_accepted[k] += by_accepted[k + 1]
+        for k in range(kmax):
+            reach, beyond = by_depth[k + 1], by_accepted[k + 1]
+            guess = landing[k] if k == 0 else rate * (
+                min(1.0, landing[k] / landing[k - 1]) if landing[k - 1] > 0 else 0.0)
+            weight = reach + prior_strength
+            own = (beyond + prior_strength * guess) / weight if weight else guess
+            rate = min(own, rate)  # a prefix: more than k accepted implies more than k-1
+            cumulative.append(cumulative[-1] + rate)
+        total_tokens += tokens
+        for k in ks:
+            weighted_steps[k] += tokens / cumulative[min(k, kmax)]
+    if not drafting:
+        return None
+    return {k: total_tokens / steps for k, steps in weighted_steps.items()}
+
+
 def _extrapolate(rates: list[float]) -> float:
     """The next position's p[k], continuing the last conditional acceptance rate.
 
@@ -250,7 +328,12 @@ class GoodputPolicy:
     def scores(self, signals: Signals, rates: list[float]) -> dict[int, float]:
         """Expected tokens/s per candidate (empty until some step cost is known)."""
         batch = self._batch(signals)
-        return {k: batch * (1 + self.draft_share * sum(rates[:k])) / seconds
+        landing = [self.draft_share * rate for rate in rates]
+        lengths = steady_lengths(signals.requests, landing, self.config.prior_strength,
+                                 self.candidates)
+        if lengths is None:  # no per-request outcomes: the batch's mean as it is now
+            lengths = {k: 1 + sum(landing[:k]) for k in self.candidates}
+        return {k: batch * lengths[k] / seconds
                 for k, seconds in self.costs.predict_row(batch, self.candidates).items()}
 
     @property

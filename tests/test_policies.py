@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from policies.batch_table import lookup
 from policies.ema import EmaConfig, EmaPolicy
-from policies.goodput import GoodputConfig, GoodputPolicy
+from policies.goodput import GoodputConfig, GoodputPolicy, StepCostModel, steady_lengths
 from policies.registry import POLICY_NAMES, build_policy
-from policies.signals import ClusterView, RequestAcceptance, Signals
+from policies.signals import ClusterView, RequestAcceptance, Signals, StepCost
 from policies.stability import StabilityConfig, StabilityPolicy, request_length
 
 CANDIDATES = (0, 1, 3, 7, 15)
@@ -157,6 +157,63 @@ def test_goodput_counts_only_the_steps_that_proposed_drafts():
     for _ in range(30):
         k = rare.decide(window(k, 0.9, batch=8, proposing=0.05)).k
     assert k <= 1 and rare.draft_share == pytest.approx(2 / 32)  # 2 of 8 x 4 proposed
+
+
+# Measured on this machine (engine_bench.md, engine_bench_batch32.md: copy text).
+MEASURED = [(8, 0, 0.0124), (8, 1, 0.0161), (8, 3, 0.0180), (8, 7, 0.0209), (8, 15, 0.0203),
+            (32, 0, 0.0235), (32, 1, 0.0294), (32, 3, 0.0429), (32, 7, 0.0604),
+            (32, 15, 0.0512)]
+
+
+def mixed_batch(copy: int, sampled: int, k: int = 3, steps: int = 30
+                ) -> tuple[RequestAcceptance, ...]:
+    """Per-request windows at depth k: copy-like requests land every draft, sampled ones none."""
+    return tuple(RequestAcceptance(f"c{i}", (k,) * steps, (k,) * steps) for i in range(copy)) \
+        + tuple(RequestAcceptance(f"s{i}", (0,) * steps, (k,) * steps) for i in range(sampled))
+
+
+def test_steady_lengths_weigh_each_request_by_its_share_of_the_tokens():
+    requests = mixed_batch(copy=8, sampled=24)
+    landing = [0.25] * 15  # a quarter of the sequence-steps land every draft
+    lengths = steady_lengths(requests, landing, 4.0, CANDIDATES)
+    assert lengths[3] == pytest.approx((8 * 4 + 24) / 32, rel=0.05)  # the batch as it is
+    # Copy-like requests hold 4/7 of the tokens; at K=15 they would make about 14 a step and
+    # the sampled ones still 1: about 2.2 tokens per sequence-step, not the 4.75 that the
+    # batch's mean (1 + 15 x 0.25) promises.
+    assert lengths[15] == pytest.approx(1 / ((3 / 7) / 1.03 + (4 / 7) / 14.7), rel=0.05)
+    assert steady_lengths(mixed_batch(0, 4, k=0), landing, 4.0, CANDIDATES) is None
+
+
+def test_goodput_does_not_go_deep_on_a_mixed_batch_whose_copy_requests_would_leave():
+    """Half copy, half sampled requests at batch 32 (the HTTP sweep at concurrency 64): at K=3
+    a quarter of the slots hold copy requests. K=15 looks 2x better on the batch as it is,
+    but at K=15 the copy requests finish 4x faster and sampled ones fill their slots; the
+    measured best static depths there are K=1 and K=3."""
+    def decide(requests: tuple[RequestAcceptance, ...]) -> int:
+        policy = goodput(profile=MEASURED)
+        signals = window(3, 1.0, batch=32, proposing=0.25)
+        return policy.decide(Signals(**{**signals.__dict__, "requests": requests})).k
+
+    assert decide(()) == 15  # without per-request outcomes: the batch's mean
+    assert decide(mixed_batch(copy=8, sampled=24)) in (1, 3)
+    assert decide(mixed_batch(copy=32, sampled=0)) == 15  # a uniform batch still goes deep
+
+
+def test_step_costs_scale_the_profile_to_the_measured_level():
+    """In the app a step costs more than the engine alone; a tier not yet measured must not
+    look cheap for that reason alone (the policy would cycle through the unmeasured ones)."""
+    costs = StepCostModel(decay=0.98)
+    for row in MEASURED:
+        costs.seed(StepCost(*row))
+    for _ in range(60):  # the app's K=1 steps at batch 32 take twice the profile's
+        costs.observe(StepCost(32, 1, 2 * 0.0294))
+    assert costs.scale == pytest.approx(2.0, rel=0.05)
+    assert costs.predict(32, 1) == pytest.approx(2 * 0.0294, rel=0.05)
+    assert costs.predict(32, 0) == pytest.approx(2 * 0.0235, rel=0.05)
+    assert costs.predict(8, 7) == pytest.approx(2 * 0.0209, rel=0.05)
+    unprofiled = StepCostModel(decay=0.98)
+    unprofiled.observe(StepCost(8, 3, 0.05))
+    assert unprofiled.scale == 1.0 and unprofiled.predict(8, 3) == pytest.approx(0.05)
 
 
 def test_goodput_prices_the_batch_the_engine_can_run():

@@ -190,15 +190,12 @@ class SimulatedEngine:
         runs = [0] * (k + 1)  # a histogram of accepted-run lengths, then runs >= p
         generated = 0
         self.just_finished = []
-        for entry in batch:  # the simulator's hot loop: one pass per sequence-step
+        for entry in batch:
+            run = entry.acceptance.accepted_run(entry.rng, k)
+            runs[run] += 1
             if k:
-                run = entry.acceptance.accepted_run(entry.rng, k)
-                runs[run] += 1
                 entry.drafting_steps += 1
-                if run:
-                    entry.first_landed += 1
-            else:
-                run = 0
+                entry.first_landed += run > 0
             left = entry.request.max_tokens - entry.generated
             tokens = run + 1 if run < left else left
             entry.generated += tokens
