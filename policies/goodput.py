@@ -23,8 +23,13 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   else the fleet's) says the smallest tier would win, the policy measures it at once instead of
   waiting out the interval. The cluster's acceptance prior does not replace the probe: under
   acceptance-aware routing a replica's traffic may differ from the fleet's.
-- Step costs are measured on this replica every step (seeded by a profile table), not only
-  profiled once, and interpolated piecewise in batch size so the regime knee is kept.
+- A batch that mixes requests whose drafts land with requests whose drafts fail is scored by
+  its steady state, from the per-request outcomes an engine reports (vLLM does; see
+  `steady_lengths`): 1 + q * sum p[k] is the mean over the batch as it is now, and a deeper K
+  changes the batch (the landing requests finish sooner and the others take their slots).
+- Step costs are measured on this replica every step (seeded by a profile table scaled to the
+  measured level), not only profiled once, and interpolated piecewise in batch size so the
+  regime knee is kept.
 - A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate.
 - A shift in first-position acceptance beyond `shift_threshold` restarts the acceptance
   estimate (and sets the lagging cluster prior aside for a few decisions): at a phase change
