@@ -40,12 +40,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.signals import Decision, RequestAcceptance, Signals, StepCost
 
+P = TypeVar("P")  # the point type of a cost table (see _predict_row)
 # Acceptance assumed at the first position before any measurement or cluster prior.
 DEFAULT_PRIOR_FIRST = 0.5
 # A shift in first-position acceptance counts only with this many drafts on both sides.
@@ -107,38 +109,38 @@ class StepCostModel:
 
     def __init__(self, decay: float):
         self.max_weight = math.inf if decay >= 1 else 1 / (1 - decay)
-        # k -> batch -> [seconds, weight, measured (1.0) or profiled only (0.0)]
-        self._points: dict[int, dict[int, list[float]]] = {}
-        self._profile: dict[int, dict[int, list[float]]] = {}
+        self._points: dict[int, dict[int, _CostPoint]] = {}  # k -> batch -> point
+        self._profile: dict[int, dict[int, float]] = {}  # k -> batch -> profiled seconds
         self.scale, self._scale_weight = 1.0, self.PRIOR_STEPS
         """Measured step time over the profile's prediction (1 without a profile)."""
 
     def seed(self, cost: StepCost) -> None:
         """A profiled point, worth `PRIOR_STEPS` measured steps."""
-        self._points.setdefault(cost.k, {})[cost.batch] = [cost.seconds, self.PRIOR_STEPS, 0.0]
-        self._profile.setdefault(cost.k, {})[cost.batch] = [cost.seconds]
+        self._points.setdefault(cost.k, {})[cost.batch] = _CostPoint(
+            cost.seconds, self.PRIOR_STEPS, measured=False)
+        self._profile.setdefault(cost.k, {})[cost.batch] = cost.seconds
 
     def observe(self, cost: StepCost) -> None:
         if cost.seconds <= 0 or cost.batch <= 0:
             return
-        profiled = _predict_row(self._profile, lambda p: p[0], cost.batch, (cost.k,))
+        profiled = _predict_row(self._profile, float, cost.batch, (cost.k,))
         if profiled:
             self._scale_weight = min(self._scale_weight + 1, self.max_weight)
             self.scale += (cost.seconds / profiled[cost.k] - self.scale) / self._scale_weight
         point = self._points.get(cost.k, {}).get(cost.batch)
-        if point is None or not point[2]:
+        if point is None or not point.measured:
             guess = self.predict(cost.batch, cost.k)
-            point = [cost.seconds, 0.0, 1.0] if guess is None else \
-                [guess, self.PRIOR_STEPS, 1.0]
+            point = _CostPoint(cost.seconds, 0.0) if guess is None else \
+                _CostPoint(guess, self.PRIOR_STEPS)
             self._points.setdefault(cost.k, {})[cost.batch] = point
-        point[1] = min(point[1] + 1, self.max_weight)
-        point[0] += (cost.seconds - point[0]) / point[1]
+        point.weight = min(point.weight + 1, self.max_weight)
+        point.seconds += (cost.seconds - point.seconds) / point.weight
 
     def known(self) -> list[int]:
         return sorted(self._points)
 
-    def _value(self, point: list[float]) -> float:
-        return point[0] if point[2] else point[0] * self.scale
+    def _value(self, point: _CostPoint) -> float:
+        return point.seconds if point.measured else point.seconds * self.scale
 
     def predict_row(self, batch: int, ks: tuple[int, ...]) -> dict[int, float]:
         """Seconds of a step of `batch` sequences at each depth in `ks` (empty before any
@@ -150,8 +152,17 @@ class StepCostModel:
         return self.predict_row(batch, (k,)).get(k)
 
 
-def _predict_row(table: dict[int, dict[int, list[float]]], value: Callable[[list[float]], float],
-                 batch: int, ks: tuple[int, ...]) -> dict[int, float]:
+@dataclass(slots=True)
+class _CostPoint:
+    seconds: float
+    weight: float
+    """How many steps the mean stands for (capped: an EWMA from then on)."""
+    measured: bool = True
+    """False while the point is only profiled (its level is then scaled)."""
+
+
+def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], batch: int,
+                 ks: tuple[int, ...]) -> dict[int, float]:
     """Per K in `ks`, the cost at `batch` from a table of k -> batch -> point: piecewise-linear
     in batch per known K, made non-decreasing in K, then piecewise-linear in K."""
     known = sorted(table)
