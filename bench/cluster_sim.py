@@ -66,6 +66,8 @@ from replicas.tier_pool import TierPool
 PRESET = "h20-llama8b-ngram"
 # Request classes and the preset acceptance they draw from (see sim_presets).
 CLASSES = {"copy": "high_2", "code": "low_2", "chat": "low_1"}
+REQUEST_CLASS = {PRESETS[PRESET].acceptance[name]: request_class
+                 for request_class, name in CLASSES.items()}
 STATIC = ("static1", "static3", "static7", "static15")
 LOCAL = ("batch_table", "ema", "goodput_local")
 CLUSTER = ("goodput_cluster", "goodput_routed")
@@ -128,9 +130,6 @@ class Tracked:
     arrival: Arrival
     entry: Any
     first_token_at: float | None = None
-    drafting_seen: int = 0
-    landed_seen: int = 0
-    """The entry's drafting steps and first-draft landings already counted in a window."""
 
 
 @dataclass
@@ -145,8 +144,6 @@ class SimReplica:
     in_flight_classes: Counter[str] = field(default_factory=Counter)
     class_tokens: dict[str, int] = field(default_factory=dict)
     """Tokens asked of this replica, per request class."""
-    # Per class, (steps that landed a draft, drafting steps) since the last report.
-    class_window: dict[str, list[int]] = field(default_factory=dict)
     class_acceptance: dict[str, float] = field(default_factory=dict)
     window_accepted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
     window_drafted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
@@ -163,19 +160,9 @@ class SimReplica:
     def load(self) -> int:
         return len(self.in_flight)
 
-    def count_first_drafts(self, tracked: Tracked) -> None:
-        """Add a request's first-draft landings since last counted to its class's window."""
-        entry = tracked.entry
-        window = self.class_window.setdefault(tracked.arrival.request_class, [0, 0])
-        window[0] += entry.first_landed - tracked.landed_seen
-        window[1] += entry.drafting_steps - tracked.drafting_seen
-        tracked.landed_seen, tracked.drafting_seen = entry.first_landed, entry.drafting_steps
-
     def telemetry(self) -> dict[str, Any]:
         """The period's push to the hub; also refreshes what routers read (first-draft
         acceptance, per class and overall) and starts new windows."""
-        for tracked in self.in_flight.values():
-            self.count_first_drafts(tracked)
         counters = self.engine.counters()
         stats = {"running": counters.running, "waiting": counters.waiting,
                  "ongoing": self.load, "active_k": self.pool.active_k,
@@ -186,11 +173,10 @@ class SimReplica:
                                                self.window_accepted[0] / self.window_drafted[0])
         self.window_accepted = [0] * max(CANDIDATES)
         self.window_drafted = [0] * max(CANDIDATES)
-        for request_class, (accepted, drafted) in self.class_window.items():
-            if drafted:  # the replica deployment's decayed per-class report
-                self.class_acceptance[request_class] = blend_rate(
-                    self.class_acceptance.get(request_class), accepted / drafted)
-        self.class_window = {}
+        for acceptance, (landed, drafted) in self.engine.take_first_drafts().items():
+            request_class = REQUEST_CLASS[acceptance]  # the replica deployment's decayed report
+            self.class_acceptance[request_class] = blend_rate(
+                self.class_acceptance.get(request_class), landed / drafted)
         return stats
 
 
@@ -264,7 +250,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
     uses_cluster, tier_aware = mode in CLUSTER, mode == "goodput_routed"
     fleet = []
     for i in range(replicas):
-        engine = SimulatedEngine(preset, kmax=max(CANDIDATES), max_num_seqs=64)
+        engine = SimulatedEngine(preset, kmax=max(CANDIDATES), max_num_seqs=64, seed=(seed, i))
         # Static modes start on their tier; adaptive ones on K=3, as the replay does.
         pool = TierPool(engine, CANDIDATES, initial_k=int(mode[6:]) if mode in STATIC else 3)
         await pool.apply_initial()
@@ -334,7 +320,6 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
             for entry in replica.engine.just_finished:
                 tracked = replica.in_flight.pop(entry.request.request_id)
                 replica.in_flight_classes[tracked.arrival.request_class] -= 1
-                replica.count_first_drafts(tracked)
                 outcome.finish(tracked, now, slo_ttft_s, slo_tpot_s)
             steps, _, _ = await replica.loop.tick(replica.cluster if uses_cluster else None)
             for step in steps:  # counted when the step ends, as a replica learns of it

@@ -111,6 +111,7 @@ class StepCostModel:
         self.max_weight = math.inf if decay >= 1 else 1 / (1 - decay)
         self._points: dict[int, dict[int, _CostPoint]] = {}  # k -> batch -> point
         self._profile: dict[int, dict[int, float]] = {}  # k -> batch -> profiled seconds
+        self._profiled: dict[tuple[int, int], float | None] = {}  # (batch, k) -> prediction
         self.scale, self._scale_weight = 1.0, self.PRIOR_STEPS
         """Measured step time over the profile's prediction (1 without a profile)."""
 
@@ -119,14 +120,15 @@ class StepCostModel:
         self._points.setdefault(cost.k, {})[cost.batch] = _CostPoint(
             cost.seconds, self.PRIOR_STEPS, measured=False)
         self._profile.setdefault(cost.k, {})[cost.batch] = cost.seconds
+        self._profiled.clear()
 
     def observe(self, cost: StepCost) -> None:
         if cost.seconds <= 0 or cost.batch <= 0:
             return
-        profiled = _predict_row(self._profile, float, cost.batch, (cost.k,))
-        if profiled:
+        profiled = self._profiled_seconds(cost.batch, cost.k)
+        if profiled is not None:
             self._scale_weight = min(self._scale_weight + 1, self.max_weight)
-            self.scale += (cost.seconds / profiled[cost.k] - self.scale) / self._scale_weight
+            self.scale += (cost.seconds / profiled - self.scale) / self._scale_weight
         point = self._points.get(cost.k, {}).get(cost.batch)
         if point is None or not point.measured:
             guess = self.predict(cost.batch, cost.k)
@@ -135,6 +137,14 @@ class StepCostModel:
             self._points.setdefault(cost.k, {})[cost.batch] = point
         point.weight = min(point.weight + 1, self.max_weight)
         point.seconds += (cost.seconds - point.seconds) / point.weight
+
+    def _profiled_seconds(self, batch: int, k: int) -> float | None:
+        """What the profile alone predicts for a step (None without a profile); memoised:
+        every observed step asks, and the profile only changes when seeded."""
+        key = (batch, k)
+        if key not in self._profiled:
+            self._profiled[key] = _predict_row(self._profile, float, batch, (k,)).get(k)
+        return self._profiled[key]
 
     def known(self) -> list[int]:
         return sorted(self._points)

@@ -92,3 +92,33 @@ def test_oracle_picks_the_true_best_k(request_class, requests, expected_k):
     rate = {k: (1 + acceptance.mean_run(k)) / preset.step_seconds(requests, k)
             for k in CANDIDATES}
     assert oracle.decide(signals).k == max(rate, key=rate.get) == expected_k
+
+
+def test_engine_batch_slots_serve_every_token_and_count_first_drafts_per_class():
+    """The engine runs its batch as arrays: every request gets exactly its tokens, a slot an
+    abort frees goes to a waiting request, and first drafts are counted per class."""
+    engine = SimulatedEngine(PRESETS[PRESET], kmax=15, max_num_seqs=4, seed=3)
+    asyncio.run(engine.set_k(3))
+    lengths = {f"r{i}": 20 + 7 * i for i in range(8)}
+    for i, (request_id, max_tokens) in enumerate(lengths.items()):
+        engine.submit(GenerationRequest(request_id=request_id, prompt="sim",
+                                        max_tokens=max_tokens,
+                                        request_class="high_2" if i % 2 else "low_1"))
+    engine.admit()
+    asyncio.run(engine.abort("r0"))  # running: its slot goes to the first waiting request
+    assert [e.request.request_id for e in engine.admit()] == ["r4"]
+    finished, steps, generated = {}, 0, 0
+    while len(finished) < len(lengths) - 1:
+        engine.admit()
+        engine.step()
+        steps += 1
+        generated += engine.drain_steps()[-1].generated_tokens
+        finished.update((e.request.request_id, e.generated) for e in engine.just_finished)
+    assert finished == {r: n for r, n in lengths.items() if r != "r0"}
+    assert generated == sum(finished.values())  # r0 left before any step ran
+    counts = engine.take_first_drafts()
+    preset = PRESETS[PRESET]
+    copy_landed, copy_drafted = counts[preset.acceptance["high_2"]]
+    chat_landed, chat_drafted = counts[preset.acceptance["low_1"]]
+    assert copy_landed / copy_drafted > 0.95 > 0.7 > chat_landed / chat_drafted > 0.25
+    assert engine.take_first_drafts() == {}  # counted once

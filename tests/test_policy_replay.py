@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import random
 
+import numpy as np
 import pytest
 
 from bench.policy_replay import ADAPTIVE, PUBLISHED_H20, STATIC, phases_for, replay, summarise
-from replicas.engines.sim_presets import Acceptance
+from replicas.engines.sim_presets import Acceptance, AcceptanceTable
 
 PHASES = ["low_1", "high_1", "low_2", "high_2"]
 
@@ -44,8 +44,9 @@ def test_goodput_beats_the_best_static_and_tracks_the_oracle_per_phase(modes: di
 
 
 def test_acceptance_mixture_matches_its_expected_run_length() -> None:
-    acceptance, k, rng = Acceptance(0.5, copy_share=0.25, copy_rate=0.999), 7, random.Random(0)
-    runs = [acceptance.accepted_run(rng, k) for _ in range(20000)]
+    acceptance, k = Acceptance(0.5, copy_share=0.25, copy_rate=0.999), 7
+    runs = AcceptanceTable([acceptance]).draw(np.random.default_rng(0), k,
+                                              np.zeros(20000, np.int64)).tolist()
     expected = sum(0.25 * 0.999 ** i + 0.75 * 0.5 ** i for i in range(1, k + 1))
     assert sum(runs) / len(runs) == pytest.approx(expected, rel=0.03)
     assert acceptance.mean_run(k) == pytest.approx(expected)

@@ -9,18 +9,19 @@ every admitted request at the active K:
   a free-text regime, then drafts accepted position by position until the first miss.
 
 Token ids depend only on the prompt and the position, so outputs are identical at every K,
-like greedy decoding on a real engine. Randomness (acceptance) is seeded per request.
+like greedy decoding on a real engine. Randomness (acceptance) is seeded per engine (`seed`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import random
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from itertools import chain, islice
+
+import numpy as np
 
 from replicas.engines.base import (
     EngineCounters,
@@ -29,7 +30,7 @@ from replicas.engines.base import (
     GenerationRequest,
     StepRecord,
 )
-from replicas.engines.sim_presets import PRESETS, Acceptance, SimPreset
+from replicas.engines.sim_presets import PRESETS, Acceptance, AcceptanceTable, SimPreset
 from replicas.engines.spec import EngineSpec
 
 VOCAB = 4096
@@ -44,16 +45,15 @@ def token_at(prompt: str, position: int) -> int:
 class _SimRequest:
     request: GenerationRequest
     acceptance: Acceptance
-    rng: random.Random
     generated: int = 0
+    """Tokens so far: kept current for streamed requests, set when it finishes for the others
+    (virtual-time harnesses read it then)."""
     queue: asyncio.Queue | None = None
-    """Where `generate` streams from; virtual-time harnesses poll `generated` instead."""
+    """Where `generate` streams from."""
     done: bool = False
     aborted: bool = False
-    drafting_steps: int = 0
-    first_landed: int = 0
-    """Steps that drafted for this request, and those whose first draft was accepted (the
-    per-class first-draft acceptance that replicas report to routers)."""
+    slot: int = -1
+    """Its row in the engine's batch arrays while running."""
 
 
 class SimulatedEngine:
@@ -62,8 +62,10 @@ class SimulatedEngine:
     name = "sim"
 
     def __init__(self, preset: SimPreset, kmax: int = 15, max_num_seqs: int = 64,
-                 max_model_len: int = 1024, time_scale: float = 1.0):
+                 max_model_len: int = 1024, time_scale: float = 1.0,
+                 seed: int | tuple[int, ...] = 0):
         self.preset = preset
+        self._rng = np.random.default_rng(seed)
         self.kmax = kmax
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -71,6 +73,15 @@ class SimulatedEngine:
         self.k = kmax
         self._waiting: deque[_SimRequest] = deque()
         self._running: dict[str, _SimRequest] = {}
+        # The batch as arrays, one row per slot, so a step is a few vector operations.
+        self._table = AcceptanceTable(preset.acceptance.values())
+        self._slots: list[_SimRequest | None] = [None] * max_num_seqs
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._active = np.zeros(max_num_seqs, bool)
+        self._left = np.zeros(max_num_seqs, np.int64)  # tokens still to generate
+        self._slot_class = np.zeros(max_num_seqs, np.int64)  # index into the table
+        self._streams: dict[int, _SimRequest] = {}  # by slot
+        self._first_drafts = np.zeros((2, len(self._table.classes)), np.int64)
         self._records: list[StepRecord] = []
         self._totals = EngineCounters(accepted_per_pos=[0] * kmax, drafted_per_pos=[0] * kmax)
         self._loop: asyncio.Task | None = None
@@ -103,11 +114,13 @@ class SimulatedEngine:
         self.k = k
 
     async def abort(self, request_id: str) -> None:
-        entry = self._running.pop(request_id, None) or next(
+        entry = self._running.get(request_id) or next(
             (r for r in self._waiting if r.request.request_id == request_id), None)
         if entry is not None:
             entry.aborted = True
-            if entry in self._waiting:
+            if entry.slot >= 0:
+                self._release(entry)
+            elif entry in self._waiting:
                 self._waiting.remove(entry)
 
     def drain_steps(self) -> list[StepRecord]:
@@ -129,10 +142,9 @@ class SimulatedEngine:
 
     def submit(self, request: GenerationRequest, stream: bool = False) -> _SimRequest:
         """Queue a request; without `stream`, nothing is queued for a reader (virtual-time
-        harnesses poll `generated`)."""
+        harnesses watch `just_finished`)."""
         self._validate(request)
         entry = _SimRequest(request, self.preset.acceptance_for(request),
-                            random.Random(f"{request.request_id}{request.seed}"),
                             queue=asyncio.Queue() if stream else None)
         self._waiting.append(entry)
         self._wake.set()
@@ -145,8 +157,34 @@ class SimulatedEngine:
         while self._waiting and len(self._running) < self.max_num_seqs:
             entry = self._waiting.popleft()
             self._running[entry.request.request_id] = entry
+            entry.slot = slot = self._free_slots.pop()
+            self._slots[slot] = entry
+            self._active[slot] = True
+            self._left[slot] = entry.request.max_tokens
+            self._slot_class[slot] = self._table.index[entry.acceptance]
+            if entry.queue is not None:
+                self._streams[slot] = entry
             admitted.append(entry)
         return admitted
+
+    def _release(self, entry: _SimRequest) -> None:
+        """Take a running request out of the batch and free its slot."""
+        del self._running[entry.request.request_id]
+        slot, entry.slot = entry.slot, -1
+        self._slots[slot] = None
+        self._active[slot] = False
+        self._left[slot] = 0
+        self._streams.pop(slot, None)
+        self._free_slots.append(slot)
+
+    def take_first_drafts(self) -> dict[Acceptance, tuple[int, int]]:
+        """Per class since the last call: (sequence-steps whose first draft was accepted,
+        sequence-steps that drafted), the per-class first-draft acceptance that replicas
+        report to routers."""
+        counts = {acceptance: (int(landed), int(drafted)) for acceptance, landed, drafted
+                  in zip(self._table.classes, *self._first_drafts, strict=True) if drafted}
+        self._first_drafts[:] = 0
+        return counts
 
     def next_batch_acceptance(self) -> Counter[Acceptance]:
         """The acceptance models of the requests the next step will run (how many of each).
@@ -185,38 +223,38 @@ class SimulatedEngine:
     def step(self) -> float:
         """One engine step over the running requests; returns its simulated seconds. The
         requests it finished are in `just_finished` until the next step."""
-        batch, k = list(self._running.values()), self.k
-        seconds = self.preset.step_seconds(len(batch), k)
-        runs = [0] * (k + 1)  # a histogram of accepted-run lengths, then runs >= p
-        generated = 0
+        k, size, active = self.k, len(self._running), self._active
+        seconds = self.preset.step_seconds(size, k)
+        runs = self._table.draw(self._rng, k, self._slot_class)
+        tokens = np.minimum(runs + 1, self._left)  # free slots have nothing left: 0
+        self._left -= tokens
+        finished = active & (self._left == 0)
+        ran = runs[active]
+        if k:
+            classes = self._slot_class[active]
+            self._first_drafts[0] += np.bincount(classes, weights=ran > 0,
+                                                 minlength=len(self._table.classes)
+                                                 ).astype(np.int64)
+            self._first_drafts[1] += np.bincount(classes, minlength=len(self._table.classes))
+        for slot, entry in self._streams.items():
+            entry.generated += int(tokens[slot])
+            entry.queue.put_nowait(((0,) * int(tokens[slot]), bool(finished[slot])))
         self.just_finished = []
-        for entry in batch:
-            run = entry.acceptance.accepted_run(entry.rng, k)
-            runs[run] += 1
-            if k:
-                entry.drafting_steps += 1
-                entry.first_landed += run > 0
-            left = entry.request.max_tokens - entry.generated
-            tokens = run + 1 if run < left else left
-            entry.generated += tokens
-            generated += tokens
-            finished = tokens == left
-            if entry.queue is not None:
-                entry.queue.put_nowait(((0,) * tokens, finished))
-            if finished:
-                entry.done = True
-                del self._running[entry.request.request_id]
-                self.just_finished.append(entry)
-        accepted_total = sum(run * count for run, count in enumerate(runs))
-        for pos in range(k - 1, -1, -1):
-            runs[pos] += runs[pos + 1]
-        accepted_pos = runs[1:] + [0] * (self.kmax - k)  # position p lands when run >= p + 1
-        drafted_pos = [len(batch)] * k + [0] * (self.kmax - k)
-        drafts = len(batch) if k else 0
-        record = StepRecord(running=len(batch), waiting=len(self._waiting), k=k, wall_s=seconds,
+        for slot in np.flatnonzero(finished).tolist():
+            entry = self._slots[slot]
+            entry.generated = entry.request.max_tokens
+            entry.done = True
+            self._release(entry)
+            self.just_finished.append(entry)
+        # Position p landed in every step whose run reached p + 1.
+        reached = np.cumsum(np.bincount(ran, minlength=k + 1)[::-1])[::-1]
+        accepted_pos = reached[1:].tolist() + [0] * (self.kmax - k)
+        drafted_pos = [size] * k + [0] * (self.kmax - k)
+        drafts = size if k else 0
+        record = StepRecord(running=size, waiting=len(self._waiting), k=k, wall_s=seconds,
                             drafts=drafts, draft_tokens=drafts * k,
-                            accepted_tokens=accepted_total, accepted_per_pos=tuple(accepted_pos),
-                            drafted_per_pos=tuple(drafted_pos), generated_tokens=generated)
+                            accepted_tokens=int(ran.sum()), accepted_per_pos=tuple(accepted_pos),
+                            drafted_per_pos=tuple(drafted_pos), generated_tokens=int(tokens.sum()))
         self._records.append(record)
         self._totals.add(record)
         return seconds

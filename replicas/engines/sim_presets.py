@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from replicas.engines.base import GenerationRequest
 
@@ -28,30 +30,41 @@ class Acceptance:
         for rate in (self.free_rate, self.copy_rate):
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"acceptance rate {rate} outside [0, 1]")
-        # 1 / ln(rate), cached: a cluster run draws ~10^7 runs. Rate 0 gives -0.0 (run 0);
-        # rate 1 gives -inf, a run that never misses.
-        object.__setattr__(self, "_inv_log_free", _inverse_log(self.free_rate))
-        object.__setattr__(self, "_inv_log_copy", _inverse_log(self.copy_rate))
 
     def mean_run(self, k: int) -> float:
         """Expected drafts accepted per step at depth k: sum over j <= k of P(run >= j)."""
         return sum(self.copy_share * self.copy_rate ** j +
                    (1 - self.copy_share) * self.free_rate ** j for j in range(1, k + 1))
 
-    def accepted_run(self, rng: random.Random, k: int) -> int:
-        """Drafts accepted before the first miss, out of k: one draw picks the regime, one
-        more the run, by inverting P(run >= j) = rate^j (one draw per position would make
-        this the simulator's main cost)."""
+
+class AcceptanceTable:
+    """Request classes' acceptance as arrays, to draw a whole batch's accepted runs at once
+    (a Python call per sequence-step would make the draw the simulator's main cost: a cluster
+    run draws ~10^7 runs)."""
+
+    def __init__(self, classes: Iterable[Acceptance]):
+        self.classes = list(dict.fromkeys(classes))
+        self.index = {acceptance: i for i, acceptance in enumerate(self.classes)}
+        self._copy_share = np.array([a.copy_share for a in self.classes])
+        self._inv_log_copy = np.array([_inverse_log(a.copy_rate) for a in self.classes])
+        self._inv_log_free = np.array([_inverse_log(a.free_rate) for a in self.classes])
+
+    def draw(self, rng: np.random.Generator, k: int, classes: np.ndarray) -> np.ndarray:
+        """Drafts accepted before the first miss, out of k, for one sequence-step of each
+        class index in `classes`: one draw picks the regime, one more the run, by inverting
+        P(run >= j) = rate^j."""
         if k == 0:
-            return 0
-        draw = rng.random
-        inv_log = self._inv_log_copy if self.copy_share and draw() < self.copy_share else \
-            self._inv_log_free
-        run = math.log(1.0 - draw()) * inv_log  # 1 - draw() lies in (0, 1]
-        return int(run) if run < k else k
+            return np.zeros(len(classes), np.int64)
+        draws = rng.random((2, len(classes)))
+        inv_log = np.where(draws[0] < self._copy_share[classes], self._inv_log_copy[classes],
+                           self._inv_log_free[classes])
+        # 1 - draw lies in (0, 1]; a rate of 1 never misses (a NaN from 0 * -inf too: fmin
+        # drops it for k).
+        return np.fmin(np.log1p(-draws[1]) * inv_log, k).astype(np.int64)
 
 
 def _inverse_log(rate: float) -> float:
+    """1 / ln(rate): 0 for rate 0 (every run 0), -inf for rate 1 (no run ever misses)."""
     if rate <= 0.0:
         return -0.0
     return 1.0 / math.log(rate) if rate < 1.0 else -math.inf
