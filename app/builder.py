@@ -16,7 +16,7 @@ from ray.serve import Application
 from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
 
 from app.ingress import Ingress
-from app.router import TierAwareRouter
+from app.router import ClassGatheringRouter
 from app.telemetry_hub import TelemetryHub
 from policies.registry import parse_policy_config
 from replicas.engines.spec import REPO_ROOT, EngineSpec
@@ -81,7 +81,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         ray_actor_options={"num_cpus": args.replica_num_cpus,
                            "runtime_env": {"env_vars": _replica_env(args)}},
         request_router_config=RequestRouterConfig(
-            request_router_class=TierAwareRouter,
+            request_router_class=ClassGatheringRouter,
             request_routing_stats_period_s=args.telemetry_period_s,
             request_routing_stats_timeout_s=max(0.5, args.telemetry_period_s)),
         deployment_actors=[DeploymentActorConfig(name=HUB_ACTOR, actor_class=TelemetryHub)],

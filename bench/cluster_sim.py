@@ -4,8 +4,8 @@
     python -m bench.cluster_sim --replicas 64 --duration 20 --json out.json
 
 Each replica is a `SimulatedEngine` (cost model and synthetic acceptance, not a model) with the
-real `TierPool`, `ControlLoop` and policy. The router ranks with `app.router.rank_replicas` and
-learns per-class acceptance from the replicas' reports as the Serve router does; the hub is
+real `TierPool`, `ControlLoop` and policy. The router ranks with `app.router.rank_replicas`
+(class gathering) from its in-flight counts per class, as the Serve router does; the hub is
 `app.telemetry_hub.ClusterState`, exchanged with every replica each telemetry period. A
 discrete-event loop in virtual time drives them all, so no Ray or HTTP is needed and a run
 takes seconds.
@@ -21,7 +21,7 @@ and comes mostly from one tenant. Modes:
 | ema | SGLang's EMA | - | no | power of two choices |
 | goodput_local | goodput | local batch | no | power of two choices |
 | goodput_cluster | goodput | effective (cluster) | yes | power of two choices |
-| goodput_routed | goodput | effective (cluster) | yes | tier-aware (`rank_replicas`) |
+| goodput_routed | goodput | effective (cluster) | yes | class-gathering (`rank_replicas`) |
 | oracle_k | exact best K per step (a bound) | exact | - | power of two choices |
 
 `oracle_k` is a SIMULATOR-only reference: each decision it knows every queued request's true
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.router import ReplicaLoad, expected_acceptance, rank_replicas, sample_candidates
+from app.router import RecentByClass, ReplicaLoad, rank_replicas, sample_candidates
 from app.telemetry_hub import ClusterState
 from bench.policy_replay import CANDIDATES
 from bench.policy_replay import policy_config as replay_policy_config
@@ -104,17 +104,19 @@ class LoadShape:
 
 def workload(replicas: int, duration_s: float, shape: LoadShape, seed: int) -> list[Arrival]:
     rng = random.Random(seed)
+    # Bursts draw from their own stream: runs at other rates see the same bursts.
+    bursts = random.Random(f"bursts-{seed}")
     names = list(CLASSES)
     tenant_class = [names[i % len(names)] for i in range(shape.tenants)]
     weights = [1 / (i + 1) ** shape.zipf_s for i in range(shape.tenants)]
     arrivals, now = [], 0.0
     burst_start, burst_tenant = -1.0, 0
-    next_burst = rng.uniform(0, shape.burst_every_s)
+    next_burst = bursts.uniform(0, shape.burst_every_s)
     while True:
         if now >= next_burst:
-            burst_start, next_burst = next_burst, next_burst + rng.expovariate(
+            burst_start, next_burst = next_burst, next_burst + bursts.expovariate(
                 1 / shape.burst_every_s) + shape.burst_s
-            burst_tenant = rng.choices(range(shape.tenants), weights)[0]
+            burst_tenant = bursts.choices(range(shape.tenants), weights)[0]
         bursting = burst_start <= now < burst_start + shape.burst_s
         rate = replicas * shape.rate_per_replica * (shape.burst_factor if bursting else 1)
         now += rng.expovariate(rate)
@@ -148,7 +150,6 @@ class SimReplica:
     window_accepted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
     window_drafted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
     cluster: Any = None
-    first_acceptance: float | None = None
     fleet_class_acceptance: dict[str, float] = field(default_factory=dict)
 
     def batch_class_acceptance(self) -> float | None:
@@ -168,9 +169,6 @@ class SimReplica:
                  "ongoing": self.load, "active_k": self.pool.active_k,
                  "window_accepted": self.window_accepted, "window_drafted": self.window_drafted,
                  "class_acceptance": self.class_acceptance}
-        if self.window_drafted[0]:  # decayed first-draft acceptance, reported to the router
-            self.first_acceptance = blend_rate(self.first_acceptance,
-                                               self.window_accepted[0] / self.window_drafted[0])
         self.window_accepted = [0] * max(CANDIDATES)
         self.window_drafted = [0] * max(CANDIDATES)
         for acceptance, (landed, drafted) in self.engine.take_first_drafts().items():
@@ -247,7 +245,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                    slo_ttft_s: float, slo_tpot_s: float, seed: int) -> ModeOutcome:
     started = time.perf_counter()
     preset = PRESETS[PRESET]
-    uses_cluster, tier_aware = mode in CLUSTER, mode == "goodput_routed"
+    uses_cluster, gathering = mode in CLUSTER, mode == "goodput_routed"
     fleet = []
     for i in range(replicas):
         engine = SimulatedEngine(preset, kmax=max(CANDIDATES), max_num_seqs=64, seed=(seed, i))
@@ -263,6 +261,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
             class_acceptance=replica.batch_class_acceptance if uses_cluster else None)
         fleet.append(replica)
     hub = ClusterState(stale_after_s=3 * TELEMETRY_PERIOD_S)
+    recent_by_class = RecentByClass()
     rng = random.Random(seed)
     outcome, serial = ModeOutcome(window_s=duration_s), 0
     events: list[tuple[float, int, str, int]] = [(a.at, i, "arrive", i)
@@ -291,15 +290,16 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
         if kind == "arrive":
             arrivals_left -= 1
             arrival = arrivals[index]
-            if tier_aware:
-                # As the Serve router: the (sampled) candidates' loads and reports.
-                candidates = sample_candidates(fleet, rng)
-                loads = [ReplicaLoad(r.replica_id, r.load, r.pool.active_k, r.first_acceptance)
+            if gathering:
+                # As the Serve router: sampled candidates plus where the class went last.
+                recent = [fleet[int(r[1:])] for r in recent_by_class.get(arrival.request_class)]
+                candidates = sample_candidates(fleet, rng, recent)
+                loads = [ReplicaLoad(r.replica_id, r.load,
+                                     r.in_flight_classes[arrival.request_class])
                          for r in candidates]
-                acceptance = expected_acceptance(arrival.request_class,
-                                                 [r.class_acceptance for r in candidates])
-                best = rank_replicas(loads, acceptance)[0]
-                target = int(rng.choice(best)[1:])
+                pick = rng.choice(rank_replicas(loads)[0])
+                recent_by_class.record(arrival.request_class, pick)
+                target = int(pick[1:])
             else:  # Ray Serve's default: the less loaded of two random replicas
                 a, b = rng.randrange(replicas), rng.randrange(replicas)
                 target = a if fleet[a].load <= fleet[b].load else b

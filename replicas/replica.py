@@ -327,9 +327,7 @@ class EngineReplica:
                 "ongoing": self.ongoing, "active_k": self.pool.active_k,
                 # Routers subtract their own share and count it themselves, fresher.
                 "ongoing_by_router": dict(self._ongoing_by_router),
-                "hub": self._hub,  # routers report what they routed to it
-                "class_acceptance": dict(self._class_acceptance),
-                "first_acceptance": self._first_acceptance}
+                "hub": self._hub}  # routers report what they routed to it
 
     def stats(self) -> dict[str, Any]:
         counters = self.engine.counters()

@@ -67,3 +67,40 @@ def test_reporter_rate_limits_sends_the_latest_counts_and_refreshes(monkeypatch)
         return reporter.hub.calls
 
     assert asyncio.run(scenario())[-1] == {}
+
+
+def test_router_gathers_each_class_on_its_replicas_and_forgets_finished_requests():
+    """The Serve router over stand-in replicas: greedy and sampled requests end up on
+    different replicas, and completions release both the load and the class count."""
+    gathering = object.__new__(router.ClassGatheringRouter)  # no Serve controller needed
+    gathering.initialize_state()
+    replicas = [SimpleNamespace(replica_id=_ReplicaID(name), routing_stats={})
+                for name in ("r1", "r2")]
+
+    def pending(request_id: str, request_class: str) -> SimpleNamespace:
+        return SimpleNamespace(args=[{"request_class": request_class}],
+                               metadata=SimpleNamespace(internal_request_id=request_id))
+
+    async def route(request_id: str, request_class: str) -> str:
+        request = pending(request_id, request_class)
+        ranks = await gathering.choose_replicas(replicas, request)
+        chosen = ranks[0][0].replica_id
+        gathering.on_request_routed(request, chosen, None)
+        return chosen.unique_id
+
+    async def scenario() -> dict[str, set[str]]:
+        placed: dict[str, set[str]] = {"greedy": set(), "sampled": set()}
+        for i in range(6):
+            request_class = "greedy" if i % 2 else "sampled"
+            placed[request_class].add(await route(f"q{i}", request_class))
+        return placed
+
+    placed = asyncio.run(scenario())
+    assert len(placed["greedy"]) == len(placed["sampled"]) == 1
+    assert placed["greedy"] != placed["sampled"]
+    for i in range(6):
+        replica = next(r.replica_id for r in replicas
+                       if (r.replica_id.unique_id in placed["greedy"]) == bool(i % 2))
+        gathering.on_request_completed(replica, f"q{i}")
+    assert sum(gathering.in_flight.values()) == 0
+    assert all(not any(c.values()) for c in gathering.in_flight_classes.values())

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import Counter
 
 import pytest
 
-from app.router import ReplicaLoad, expected_acceptance, rank_replicas, replica_load
+from app.router import (
+    RANK_SAMPLE,
+    RecentByClass,
+    ReplicaLoad,
+    gathering_cost,
+    rank_replicas,
+    replica_load,
+    sample_candidates,
+)
 from app.telemetry_hub import PRIOR_DECAY, ClusterState
 from policies.registry import build_policy
 from policies.signals import batch_class_acceptance
@@ -18,27 +27,37 @@ from replicas.engines.sim_presets import PRESETS
 from replicas.tier_pool import TierPool
 
 
-def test_router_prefers_least_loaded_then_the_fitting_tier():
-    replicas = [ReplicaLoad("deep", 3, 15), ReplicaLoad("shallow", 3, 1),
-                ReplicaLoad("busy", 9, 7)]
-    assert rank_replicas(replicas, acceptance=0.9) == [["deep"], ["shallow", "busy"]]
-    assert rank_replicas(replicas, acceptance=0.05) == [["shallow"], ["deep", "busy"]]
-    # Load comes first: a fitting tier on a much busier replica does not win.
-    assert rank_replicas([ReplicaLoad("deep", 9, 15), ReplicaLoad("shallow", 2, 1)],
-                         acceptance=0.9)[0] == ["shallow"]
+def test_router_prefers_an_idle_replica_then_the_least_loaded():
+    replicas = [ReplicaLoad("idle", 0), ReplicaLoad("busy", 9, 9), ReplicaLoad("busier", 12)]
+    assert rank_replicas(replicas) == [["idle"], ["busy", "busier"]]
+    # Among replicas of one class only (or of none), plain load decides.
+    assert rank_replicas([ReplicaLoad("a", 5, 5), ReplicaLoad("b", 3, 3)])[0] == ["b"]
+    assert rank_replicas([ReplicaLoad("a", 4), ReplicaLoad("b", 4)]) == [["a", "b"]]
 
 
-def test_router_gathers_similar_requests_within_the_load_slack():
-    replicas = [ReplicaLoad("copying", 20, 15, acceptance=0.95),
-                ReplicaLoad("chatting", 23, 3, acceptance=0.40),
-                ReplicaLoad("overloaded", 40, 3, acceptance=0.40)]
-    # Slack is a quarter of the least load (5 requests): both light replicas are candidates.
-    assert rank_replicas(replicas, acceptance=0.40)[0] == ["chatting"]
-    assert rank_replicas(replicas, acceptance=0.97)[0] == ["copying"]
-    # Beyond the slack, load wins over a matching stream.
-    assert rank_replicas([ReplicaLoad("copying", 20, 15, acceptance=0.95),
-                          ReplicaLoad("chatting", 26, 3, acceptance=0.40)],
-                         acceptance=0.40)[0] == ["copying"]
+def test_router_gathers_a_class_until_its_replicas_are_three_times_as_loaded():
+    # Of 20 requests on "copying", 20 are of this class; "chatting" holds none of it.
+    copying, chatting = ReplicaLoad("copying", 20, 20), ReplicaLoad("chatting", 8, 0)
+    assert rank_replicas([copying, chatting])[0] == ["copying"]
+    # With affinity 2 a foreign request counts three times: the pure replica wins up to 3x
+    # the load of a replica of the other class, then the burst spills.
+    assert rank_replicas([ReplicaLoad("copying", 23, 23), chatting])[0] == ["copying"]
+    assert rank_replicas([ReplicaLoad("copying", 25, 25), chatting])[0] == ["chatting"]
+    # A mixed replica sits in between: half of its load of the class.
+    assert gathering_cost(ReplicaLoad("mixed", 10, 5)) == pytest.approx(20)
+    assert rank_replicas([copying, chatting], affinity=0)[0] == ["chatting"]
+
+
+def test_router_remembers_where_each_class_went_for_sampled_fleets():
+    recent = RecentByClass(size=2)
+    for replica in ("r1", "r2", "r1", "r3"):
+        recent.record("greedy", replica)
+    assert recent.get("greedy") == ["r3", "r1"] and recent.get("sampled") == []
+    fleet = [f"r{i}" for i in range(100)]
+    sample = sample_candidates(fleet, random.Random(0), also=["r7", "r8"])
+    assert {"r7", "r8"} <= set(sample) and len(sample) <= RANK_SAMPLE + 2
+    assert len(set(sample)) == len(sample)
+    assert sample_candidates(fleet[:5], random.Random(0), also=["r7"]) == fleet[:5]
 
 
 def test_router_load_is_its_own_fresh_count_plus_other_routers_reported_share():
@@ -49,11 +68,6 @@ def test_router_load_is_its_own_fresh_count_plus_other_routers_reported_share():
     shared = {"ongoing": 5, "ongoing_by_router": {"me": 2, "other": 3}}
     assert replica_load("me", 2, shared) == 5
     assert replica_load("me", 1, {}) == 1  # no report yet
-
-
-def test_router_learns_class_acceptance_from_replica_reports():
-    assert expected_acceptance("greedy", []) > 0.5 > expected_acceptance("sampled", [])
-    assert expected_acceptance("greedy", [{"greedy": 0.1}, {"greedy": 0.3}]) == 0.2
 
 
 def test_hub_view_counts_effective_concurrency_and_builds_the_prior():
