@@ -422,6 +422,19 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
         ["replicas", "best static", "best local", "best cluster-aware",
          "cluster / best local", "cluster / best static", "ema switches / cluster's",
          "oracle K / best local"], rows))
+    spread = {n: r["seed_verdicts"] for n, r in runs.items() if "seed_verdicts" in r}
+    if spread:
+        def summary(values: list[float]) -> str:
+            return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+        parts.append(print_table(
+            "THE SAME ACROSS BURST PATTERNS (seeds; median, min-max)",
+            ["replicas", "seeds", "cluster / best local", "cluster / best static",
+             "ema switches / cluster's", "oracle K / best local"],
+            [[n, len(vs), summary([v["cluster_vs_best_local"] for v in vs]),
+              summary([v["cluster_vs_best_static"] for v in vs]),
+              summary([v["ema_switches_vs_cluster"] for v in vs]),
+              summary([v["oracle_vs_best_local"] for v in vs])] for n, vs in spread.items()]))
     shares = next(iter(runs.values()))["token_shares"]
     bounds = {b: gathering_bound(PRESETS[PRESET], shares, b) for b in (16, 32, 64)}
     parts.append(print_table(
@@ -460,6 +473,19 @@ def plot(runs: dict[int, dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def run_fleet(replicas: int, arrivals: list[Arrival], duration_s: float, modes: list[str],
+              args: argparse.Namespace, seed: int, verbose: bool) -> dict[str, dict[str, Any]]:
+    results = {}
+    for mode in modes:
+        outcome = asyncio.run(simulate(mode, replicas, arrivals, duration_s,
+                                       args.slo_ttft, args.slo_tpot, seed))
+        results[mode] = summarise(outcome, replicas)
+        if verbose:
+            print(f"{replicas:4d} replicas {mode:16s} goodput {results[mode]['goodput']:9.0f} "
+                  f"tok/s  wall {outcome.wall_s:5.1f} s", flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, nargs="+", default=[8, 64, 512])
@@ -475,23 +501,27 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("bench/results/cluster_sim.json"))
     parser.add_argument("--markdown", type=Path, default=Path("bench/results/cluster_sim.md"))
     parser.add_argument("--plot", type=Path, default=Path("bench/results/cluster_sim.png"))
+    parser.add_argument("--seeds", type=int, default=5,
+                        help="at fleets up to --seeds-up-to replicas, also run this many seeds "
+                             "in all (other burst patterns) and report the verdicts' spread")
+    parser.add_argument("--seeds-up-to", type=int, default=64)
     args = parser.parse_args()
     modes = args.modes.split(",")
+    shape = LoadShape(rate_per_replica=args.rate)
     runs: dict[int, dict[str, Any]] = {}
     for replicas in args.replicas:
         duration = args.duration or max(10.0, 480 / replicas)
-        arrivals = workload(replicas, duration, LoadShape(rate_per_replica=args.rate), args.seed)
-        results = {}
-        for mode in modes:
-            outcome = asyncio.run(simulate(mode, replicas, arrivals, duration,
-                                           args.slo_ttft, args.slo_tpot, args.seed))
-            results[mode] = summarise(outcome, replicas)
-            print(f"{replicas:4d} replicas {mode:16s} goodput {results[mode]['goodput']:9.0f} "
-                  f"tok/s  wall {outcome.wall_s:5.1f} s", flush=True)
+        arrivals = workload(replicas, duration, shape, args.seed)
+        results = run_fleet(replicas, arrivals, duration, modes, args, args.seed, verbose=True)
         runs[replicas] = {"arrivals": len(arrivals), "duration_s": duration,
                           "token_shares": token_shares(arrivals), "modes": results}
         if set(MODES) <= set(modes):
             runs[replicas]["verdicts"] = verdicts(results)
+            if replicas <= args.seeds_up_to and args.seeds > 1:
+                runs[replicas]["seed_verdicts"] = [runs[replicas]["verdicts"]] + [
+                    verdicts(run_fleet(replicas, workload(replicas, duration, shape, seed),
+                                       duration, modes, args, seed, verbose=False))
+                    for seed in range(args.seed + 1, args.seed + args.seeds)]
     complete = {n: r for n, r in runs.items() if "verdicts" in r}
     text = report(complete) if complete else ""
     print(f"\nSIMULATOR preset {PRESET}; SLO: TTFT <= {args.slo_ttft} s and TPOT <= "
