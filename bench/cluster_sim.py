@@ -162,8 +162,8 @@ class SimReplica:
         return len(self.in_flight)
 
     def telemetry(self) -> dict[str, Any]:
-        """The period's push to the hub; also refreshes what routers read (first-draft
-        acceptance, per class and overall) and starts new windows."""
+        """The period's push to the hub; also refreshes the per-class first-draft acceptance
+        (the replica's class hint, and the fleet's through the hub) and starts new windows."""
         counters = self.engine.counters()
         stats = {"running": counters.running, "waiting": counters.waiting,
                  "ongoing": self.load, "active_k": self.pool.active_k,

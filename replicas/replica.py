@@ -224,8 +224,10 @@ class EngineReplica:
         self._window = ([0] * len(accepted), [0] * len(drafted))
         stats = {key: value for key, value in self.record_routing_stats().items()
                  if key != "hub"}
+        # The per-class acceptance goes to the hub (the fleet's class hint), not to routers.
         self._hub_call = asyncio.ensure_future(self._hub.push.remote(
-            self.replica_id, {**stats, "window_accepted": accepted, "window_drafted": drafted}))
+            self.replica_id, {**stats, "class_acceptance": dict(self._class_acceptance),
+                              "window_accepted": accepted, "window_drafted": drafted}))
 
     async def _first_view(self) -> None:
         """At start-up: one bounded exchange, so the policy starts from the cluster's prior."""
