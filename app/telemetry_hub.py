@@ -15,6 +15,8 @@ from typing import Any
 
 import ray
 
+from policies.class_acceptance import Rates, fleet_average
+
 # A replica that has not pushed for this long is dropped from the view (dead or restarting).
 STALE_AFTER_S = 3.0
 # Per-position counts from the replicas decay with this factor per push, a sliding window.
@@ -43,7 +45,7 @@ class ClusterState:
         self._override_changed_at = 0.0
         # router id -> (when reported, {replica id: requests in flight from that router})
         self._routed: dict[str, tuple[float, dict[str, int]]] = {}
-        self._class_acceptance: dict[str, float] = {}
+        self._class_acceptance: dict[str, Rates] = {}
         self._refreshed_at = float("-inf")
 
     def report_routed(self, router_id: str, in_flight: dict[str, int],
@@ -87,13 +89,8 @@ class ClusterState:
             return
         self._refreshed_at = now
         self.expire(now)
-        sums: dict[str, list[float]] = {}
-        for stats in self.replicas.values():
-            for request_class, value in (stats.get("class_acceptance") or {}).items():
-                entry = sums.setdefault(request_class, [0.0, 0])
-                entry[0] += value
-                entry[1] += 1
-        self._class_acceptance = {c: total / n for c, (total, n) in sums.items()}
+        self._class_acceptance = fleet_average(stats.get("class_acceptance") or {}
+                                               for stats in self.replicas.values())
 
     def expire(self, now: float) -> list[str]:
         gone = [rid for rid, seen in self._seen_at.items() if now - seen > self.stale_after_s]

@@ -55,8 +55,9 @@ from app.telemetry_hub import ClusterState
 from bench.policy_replay import CANDIDATES
 from bench.policy_replay import policy_config as replay_policy_config
 from bench.report import print_table
+from policies.class_acceptance import ClassAcceptance, Rates
 from policies.registry import build_policy
-from policies.signals import ClusterView, Decision, Signals, batch_class_acceptance, blend_rate
+from policies.signals import ClusterView, Decision, Signals
 from replicas.control_loop import ControlLoop
 from replicas.engines.base import GenerationRequest, add_per_position
 from replicas.engines.sim_engine import SimulatedEngine
@@ -146,35 +147,31 @@ class SimReplica:
     in_flight_classes: Counter[str] = field(default_factory=Counter)
     class_tokens: dict[str, int] = field(default_factory=dict)
     """Tokens asked of this replica, per request class."""
-    class_acceptance: dict[str, float] = field(default_factory=dict)
+    classes: ClassAcceptance = field(default_factory=ClassAcceptance)
     window_accepted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
     window_drafted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
     cluster: Any = None
-    fleet_class_acceptance: dict[str, float] = field(default_factory=dict)
 
-    def batch_class_acceptance(self) -> float | None:
-        """As the replica deployment: its requests' classes' past first-draft acceptance."""
-        return batch_class_acceptance(self.in_flight_classes, self.class_acceptance,
-                                      self.fleet_class_acceptance)
+    def class_prior(self) -> Rates:
+        """As the replica deployment: what its requests' classes showed before."""
+        return self.classes.prior(self.in_flight_classes)
 
     @property
     def load(self) -> int:
         return len(self.in_flight)
 
     def telemetry(self) -> dict[str, Any]:
-        """The period's push to the hub; also refreshes the per-class first-draft acceptance
-        (the replica's class hint, and the fleet's through the hub) and starts new windows."""
+        """The period's push to the hub; also refreshes the per-class acceptance (the
+        replica's class prior, and the fleet's through the hub) and starts new windows."""
         counters = self.engine.counters()
         stats = {"running": counters.running, "waiting": counters.waiting,
                  "ongoing": self.load, "active_k": self.pool.active_k,
                  "window_accepted": self.window_accepted, "window_drafted": self.window_drafted,
-                 "class_acceptance": self.class_acceptance}
+                 "class_acceptance": dict(self.classes.own)}
         self.window_accepted = [0] * max(CANDIDATES)
         self.window_drafted = [0] * max(CANDIDATES)
-        for acceptance, (landed, drafted) in self.engine.take_first_drafts().items():
-            request_class = REQUEST_CLASS[acceptance]  # the replica deployment's decayed report
-            self.class_acceptance[request_class] = blend_rate(
-                self.class_acceptance.get(request_class), landed / drafted)
+        self.classes.observe({REQUEST_CLASS[acceptance]: counts for acceptance, counts
+                              in self.engine.take_class_drafts().items()})
         return stats
 
 
@@ -258,7 +255,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
         replica.loop = ControlLoop(
             engine, pool, policy,
             max_batch=engine.max_num_seqs,
-            class_acceptance=replica.batch_class_acceptance if uses_cluster else None)
+            class_prior=replica.class_prior if uses_cluster else None)
         fleet.append(replica)
     hub = ClusterState(stale_after_s=3 * TELEMETRY_PERIOD_S)
     recent_by_class = RecentByClass()
@@ -334,7 +331,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
             for replica in fleet:
                 view = hub.push(replica.replica_id, replica.telemetry(), now=now)
                 replica.cluster = ClusterView.from_hub(view, replica.load)
-                replica.fleet_class_acceptance = view["class_acceptance"]
+                replica.classes.fleet = view["class_acceptance"]
             if arrivals_left or any(r.in_flight for r in fleet):
                 schedule(now + TELEMETRY_PERIOD_S, "hub", 0)
     outcome.switches = sum(r.pool.switch_count for r in fleet)

@@ -11,18 +11,19 @@ online per K.
 Follows SmartSpec/TurboSpec (argmax of goodput over profiled latency) and vLLM's original
 dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
 - p[k] comes from per-position windows that count only drafts that reached position k, so the
-  estimate stays unbiased when K changes; positions never drafted are filled from the cluster's
-  acceptance prior, else extrapolated geometrically.
+  estimate stays unbiased when K changes; positions never drafted are filled from a prior (what
+  the request classes now on the replica showed before, else the cluster's mean), else
+  extrapolated geometrically. The class prior comes first: under class-gathering routing the
+  cluster's mean describes other classes' traffic.
 - Nothing measures positions deeper than the current K: at K=0 nothing shows that drafts
   started to land again, and at a shallow K the geometric extrapolation undersells drafters
   whose acceptance comes in runs (prompt lookup: a copied span lands whole). So after
   `probe_interval_steps` on a tier whose next tier's positions have no fresh evidence, the
   policy runs that next tier for one dwell period to measure (bounded exploration: at most two
   switches per interval; nothing else switches during a dwell). At K=0 the request classes
-  now on the replica are a hint too: when their past first-draft acceptance (this replica's,
-  else the fleet's) says the smallest tier would win, the policy measures it at once instead of
-  waiting out the interval. The cluster's acceptance prior does not replace the probe: under
-  acceptance-aware routing a replica's traffic may differ from the fleet's.
+  now on the replica are a hint too: when their past acceptance (the fleet's, else this
+  replica's) says the smallest tier would win, the policy measures it at once instead of
+  waiting out the interval. No prior replaces the probe: a class's traffic may change.
 - A batch that mixes requests whose drafts land with requests whose drafts fail is scored by
   its steady state, from the per-request outcomes an engine reports (vLLM does; see
   `steady_lengths`): 1 + q * sum p[k] is the mean over the batch as it is now, and a deeper K
@@ -32,7 +33,7 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   regime knee is kept.
 - A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate.
 - A shift in first-position acceptance beyond `shift_threshold` restarts the acceptance
-  estimate (and sets the lagging cluster prior aside for a few decisions): at a phase change
+  estimate (and sets the lagging prior aside for a few decisions): at a phase change
   the decayed windows would otherwise hold the old traffic for several decisions.
 """
 
@@ -48,11 +49,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from policies.signals import Decision, RequestAcceptance, Signals, StepCost
 
 P = TypeVar("P")  # the point type of a cost table (see _predict_row)
-# Acceptance assumed at the first position before any measurement or cluster prior.
+# Acceptance assumed at the first position before any measurement or prior.
 DEFAULT_PRIOR_FIRST = 0.5
 # A shift in first-position acceptance counts only with this many drafts on both sides.
 SHIFT_MIN_DRAFTS = 16
-# After a shift, the cluster prior is left out for this many updates: the fleet's decayed
+# After a shift, the prior is left out for this many updates: the fleet's decayed
 # counts lag the same change.
 PRIOR_PAUSE_UPDATES = 8
 
@@ -383,7 +384,8 @@ class GoodputPolicy:
             if drafted:
                 self._last_drafted[pos] = self._steps
         current = signals.current_k
-        prior = signals.cluster.acceptance_prior if signals.cluster else ()
+        prior = signals.class_prior or (signals.cluster.acceptance_prior if signals.cluster
+                                        else ())
         rates = self.acceptance.rates(prior)
         scores = self.scores(signals, rates)
         if not scores or current not in scores:
@@ -392,8 +394,8 @@ class GoodputPolicy:
         inputs = {"batch": float(max(1, signals.effective_concurrency)),
                   "score_current": scores[current], "score_best": scores[best],
                   "first_draft": rates[0], "draft_share": self.draft_share}
-        if signals.batch_class_acceptance is not None:
-            inputs["class_hint"] = signals.batch_class_acceptance
+        if signals.class_prior:
+            inputs["class_hint"] = signals.class_prior[0]
         if self._steps_on_tier < self.config.min_dwell_steps:
             return Decision(current, "dwell", inputs)
         deeper = [k for k in self.candidates if k > current]
@@ -417,15 +419,16 @@ class GoodputPolicy:
         """At K=0: would `tier` win if drafts landed as these request classes' did before?
         Checked only after a few dwells without drafting, so a hint that turns out wrong
         (the classes' statistics then fall) costs one dwell now and then."""
-        hint = signals.batch_class_acceptance
-        if hint is None or self._steps - self._last_drafted[0] < 4 * \
+        hint = list(signals.class_prior)
+        if not hint or self._steps - self._last_drafted[0] < 4 * \
                 self.config.min_dwell_steps:
             return False
         batch = self._batch(signals)
         seconds = self.costs.predict(batch, tier)
         if seconds is None:
             return False
-        # The hint counts every drafting step, proposal or not, so `draft_share` (which may
-        # be stale: it describes the traffic before K=0) does not scale it again.
-        hinted = batch * (1 + sum(hint ** (k + 1) for k in range(tier))) / seconds
+        while len(hint) < tier:
+            hint.append(_extrapolate(hint))
+        # `draft_share` describes the traffic before K=0 and may be stale: the hint alone.
+        hinted = batch * (1 + sum(hint[:tier])) / seconds
         return hinted > scores[0] * (1 + self.config.switch_margin)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,10 +76,11 @@ class Signals:
     now_s: float = 0.0
     max_batch: int | None = None
     """The most sequences the engine runs in one step (its max_num_seqs), when known."""
-    batch_class_acceptance: float | None = None
-    """First-draft acceptance that the classes of the requests now on the replica showed before
-    (the replica's class statistics, else the fleet's); None when no class is known. It is
-    the only hint at K=0, where nothing is drafted."""
+    class_prior: tuple[float, ...] = ()
+    """p[k] that the classes of the requests now on the replica showed before (the fleet's
+    class statistics, else the replica's own; see `policies.class_acceptance`); empty when no class
+    is known. The policy's acceptance prior, and its only hint at K=0, where nothing is
+    drafted."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -113,22 +113,3 @@ class Decision:
     k: int
     reason: str = ""
     inputs: dict[str, float] = field(default_factory=dict)
-
-
-def blend_rate(old: float | None, fresh: float, weight_new: float = 0.3) -> float:
-    """A decayed rate as replicas report it (to routers and the hub): new windows weigh 30%."""
-    return fresh if old is None else old + weight_new * (fresh - old)
-
-
-def batch_class_acceptance(class_counts: Mapping[str, int], own: dict[str, float],
-                           fleet: dict[str, float]) -> float | None:
-    """Mean past first-draft acceptance of the requests on a replica, given how many of each
-    class it holds: the replica's own statistics for a class, else the fleet's; None when no
-    class is known at all."""
-    total = weighted = 0.0
-    for request_class, count in class_counts.items():
-        value = own.get(request_class, fleet.get(request_class))
-        if value is not None and count > 0:
-            total += count
-            weighted += count * value
-    return weighted / total if total else None

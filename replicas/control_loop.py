@@ -22,7 +22,7 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
                cluster: ClusterView | None = None,
                requests: tuple[RequestAcceptance, ...] = (), now_s: float = 0.0,
                max_batch: int | None = None,
-               batch_class_acceptance: float | None = None) -> Signals:
+               class_prior: tuple[float, ...] = ()) -> Signals:
     """Sum a window of step records into Signals; per-position counts padded to max K."""
     width = max(candidates)
     accepted, drafted = [0] * width, [0] * width
@@ -41,7 +41,7 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         step_costs=tuple(StepCost(s.running, s.k, s.wall_s) for s in steps
                          if s.wall_s > 0 and s.running > 0),
         requests=requests, cluster=cluster, now_s=now_s, max_batch=max_batch,
-        batch_class_acceptance=batch_class_acceptance)
+        class_prior=class_prior)
 
 
 @dataclass
@@ -59,14 +59,14 @@ class ControlLoop:
                  decide_every_steps: int = 4,
                  request_acceptance: Callable[[], tuple[RequestAcceptance, ...]] | None = None,
                  max_batch: int | None = None,
-                 class_acceptance: Callable[[], float | None] | None = None):
+                 class_prior: Callable[[], tuple[float, ...]] | None = None):
         self.engine = engine
         self.pool = pool
         self.policy = policy
         self.decide_every_steps = decide_every_steps
         self._request_acceptance = request_acceptance
         self.max_batch = max_batch
-        self._class_acceptance = class_acceptance
+        self._class_prior = class_prior
         self._pending: list[StepRecord] = []
         self.stats = LoopStats()
 
@@ -82,9 +82,9 @@ class ControlLoop:
         if len(self._pending) < self.decide_every_steps:
             return steps, None, None
         requests = self._request_acceptance() if self._request_acceptance else ()
-        hint = self._class_acceptance() if self._class_acceptance else None
+        class_prior = self._class_prior() if self._class_prior else ()
         signals = fold_steps(self._pending, self.pool.candidates, self.pool.active_k,
-                             cluster, requests, time.monotonic(), self.max_batch, hint)
+                             cluster, requests, time.monotonic(), self.max_batch, class_prior)
         self._pending = []
         started = time.perf_counter()
         decision = self.policy.decide(signals)

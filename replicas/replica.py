@@ -21,8 +21,9 @@ from ray import serve
 
 from observability import tracing
 from observability.metrics import ReplicaMetrics
+from policies.class_acceptance import ClassAcceptance, Rates
 from policies.registry import build_policy, parse_policy_config
-from policies.signals import ClusterView, Decision, batch_class_acceptance, blend_rate
+from policies.signals import ClusterView, Decision
 from replicas.control_loop import ControlLoop
 from replicas.engines.base import EngineInputError, GenerationRequest, add_per_position
 from replicas.engines.factory import build_engine
@@ -61,7 +62,7 @@ class EngineReplica:
                                 decide_every_steps,
                                 getattr(self.engine, "request_acceptance", None),
                                 max_batch=spec.max_num_seqs,
-                                class_acceptance=self._batch_class_acceptance)
+                                class_prior=self._class_prior)
         self.policy_config = parse_policy_config(policy).model_dump()
         tracing.configure_tracing("specserve-replica")
         self.metrics = ReplicaMetrics(self.replica_id, self.pool.candidates)
@@ -81,12 +82,7 @@ class EngineReplica:
         self._applied_issued_at = 0.0
         self._serve_configs_seen = 0
         self._request_class: dict[str, str] = {}
-        self._class_acceptance: dict[str, float] = {}
-        # First-draft acceptance (share of drafting steps that landed at least one draft) since
-        # the last report, and its decayed value: what the router matches requests against.
-        self._first_draft = [0, 0]
-        self._first_acceptance: float | None = None
-        self._fleet_class_acceptance: dict[str, float] = {}
+        self._classes = ClassAcceptance()
         self._control = asyncio.create_task(self._control_forever())
         logger.info("replica %s ready: engine=%s candidates=%s K=%d", self.replica_id,
                     self.engine.name, self.pool.candidates, self.pool.active_k)
@@ -176,9 +172,6 @@ class EngineReplica:
             for step in steps:
                 add_per_position(accepted, step.accepted_per_pos)
                 add_per_position(drafted, step.drafted_per_pos)
-                if step.drafted_per_pos:  # sequences that drafted, and that landed one
-                    self._first_draft[0] += step.accepted_per_pos[0]
-                    self._first_draft[1] += step.drafted_per_pos[0]
         if decision is not None:
             logger.debug("decision K=%d -> %d: %s %s", self.pool.active_k if change is None
                          else change.from_k, decision.k, decision.reason, decision.inputs)
@@ -226,7 +219,7 @@ class EngineReplica:
                  if key != "hub"}
         # The per-class acceptance goes to the hub (the fleet's class hint), not to routers.
         self._hub_call = asyncio.ensure_future(self._hub.push.remote(
-            self.replica_id, {**stats, "class_acceptance": dict(self._class_acceptance),
+            self.replica_id, {**stats, "class_acceptance": dict(self._classes.own),
                               "window_accepted": accepted, "window_drafted": drafted}))
 
     async def _first_view(self) -> None:
@@ -241,7 +234,7 @@ class EngineReplica:
         counters = self.engine.counters()
         self.cluster = ClusterView.from_hub(view, max(self.ongoing,
                                                       counters.running + counters.waiting))
-        self._fleet_class_acceptance = view.get("class_acceptance") or {}
+        self._classes.fleet = view.get("class_acceptance") or {}
         override = view.get("policy_override")
         if override and override["issued_at"] > self._applied_issued_at:
             # A fleet-wide change made while this replica was away (or before it started).
@@ -295,32 +288,24 @@ class EngineReplica:
         logger.info("replica %s reconfigured: %s", self.replica_id, user_config)
 
     def _update_class_acceptance(self) -> None:
-        """Per request class, and for the replica, a decayed first-draft acceptance: the share
-        of drafting steps that landed at least one draft (comparable across K, unlike the
-        per-token rate)."""
+        """Per request class, decayed per-position acceptance from the running requests'
+        recent verify outcomes (windows that overlap from one period to the next: a rate, not
+        a count, is what carries over)."""
         provider = getattr(self.engine, "request_acceptance", None)
-        totals: dict[str, list[int]] = {}
+        width = self.engine.kmax
+        counts: dict[str, tuple[list[int], list[int]]] = {}
         for window in provider() if provider else ():
             request_class = self._request_class.get(window.request_id, "default")
-            entry = totals.setdefault(request_class, [0, 0])
+            landed, offered = counts.setdefault(request_class, ([0] * width, [0] * width))
             for accepted, drafted in zip(window.accepted, window.drafted, strict=True):
-                if drafted:
-                    entry[0] += accepted > 0
-                    entry[1] += 1
-        for request_class, (landed, drafting) in totals.items():
-            if drafting:
-                self._class_acceptance[request_class] = blend_rate(
-                    self._class_acceptance.get(request_class), landed / drafting)
-        landed, drafting = self._first_draft
-        if drafting:
-            self._first_acceptance = blend_rate(self._first_acceptance, landed / drafting)
-            self._first_draft = [0, 0]
+                for k in range(min(drafted, width)):  # position k drafted; landed if k < accepted
+                    offered[k] += 1
+                    landed[k] += k < accepted
+        self._classes.observe(counts)
 
-    def _batch_class_acceptance(self) -> float | None:
-        """Mean past first-draft acceptance of the classes of the requests on this replica."""
-        return batch_class_acceptance(Counter(self._request_class.values()),
-                                      self._class_acceptance,
-                                      self._fleet_class_acceptance)
+    def _class_prior(self) -> Rates:
+        """What the classes of the requests on this replica showed before."""
+        return self._classes.prior(Counter(self._request_class.values()))
 
     def record_routing_stats(self) -> dict[str, Any]:
         self._update_class_acceptance()
@@ -341,8 +326,8 @@ class EngineReplica:
                 "max_routed": self.max_routed,
                 "cluster_view": self.cluster is not None,
                 "effective_concurrency": self._effective_concurrency(),
-                "class_acceptance": dict(self._class_acceptance),
-                "first_acceptance": self._first_acceptance,
+                "class_acceptance": dict(self._classes.own),
+                "fleet_class_acceptance": dict(self._classes.fleet),
                 "counters": {key: value for key, value in counters.__dict__.items()
                              if not isinstance(value, list)}}
 

@@ -162,6 +162,16 @@ def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(
     assert all(r["max_local_batch"] <= 4 for r in after)
     assert any(r["max_effective_concurrency"] > r["max_local_batch"] for r in after)
     assert all(r["max_routed"] > 0 for r in after), "router reports reach every replica"
+    if kind == "vllm":  # per-request verify outcomes: only vLLM reports them
+        # Each replica's per-class acceptance went to the hub, and the fleet's came back.
+        deadline = time.monotonic() + 10
+        while not all(r["fleet_class_acceptance"].get("greedy") for r in after) and \
+                time.monotonic() < deadline:
+            time.sleep(0.5)
+            after = replicas(app_url)
+        for stats in after:
+            fleet = stats["fleet_class_acceptance"]["greedy"]
+            assert fleet and all(0 <= rate <= 1 for rate in fleet)
 
 
 @pytest.mark.parametrize(("body", "status"), [

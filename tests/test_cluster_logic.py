@@ -18,8 +18,14 @@ from app.router import (
     sample_candidates,
 )
 from app.telemetry_hub import PRIOR_DECAY, ClusterState
+from policies.class_acceptance import (
+    ClassAcceptance,
+    blend_rates,
+    fleet_average,
+    mixture,
+    rates_from_counts,
+)
 from policies.registry import build_policy
-from policies.signals import batch_class_acceptance
 from replicas.control_loop import ControlLoop, fold_steps
 from replicas.engines.base import GenerationRequest, StepRecord
 from replicas.engines.sim_engine import SimulatedEngine
@@ -104,11 +110,13 @@ def test_hub_prior_is_the_decayed_fleet_sum_and_forgets_a_silent_replica():
                                       pytest.approx(3 * a / (10 * a + 2 * d)))
 
 
-def test_hub_shares_the_fleets_class_acceptance():
+def test_hub_averages_each_class_per_position_over_the_replicas_that_measured_it():
     state = ClusterState()
-    state.push("a", {"class_acceptance": {"greedy": 0.9, "sampled": 0.1}}, now=0.0)
-    view = state.push("b", {"class_acceptance": {"greedy": 0.7}}, now=1.0)
-    assert view["class_acceptance"] == {"greedy": pytest.approx(0.8), "sampled": 0.1}
+    state.push("a", {"class_acceptance": {"greedy": (0.9, 0.8), "sampled": (0.1,)}}, now=0.0)
+    view = state.push("b", {"class_acceptance": {"greedy": (0.7,)}}, now=1.0)
+    assert view["class_acceptance"] == {"greedy": (pytest.approx(0.8), pytest.approx(0.8)),
+                                        "sampled": (0.1,)}
+    assert fleet_average([]) == {}
 
 
 def test_fold_keeps_per_position_counts_unbiased_across_k_changes():
@@ -158,9 +166,22 @@ def test_hub_keeps_the_newest_fleet_wide_change_whatever_the_arrival_order():
     assert hub.view("any")["policy_override"] is None
 
 
-def test_batch_class_acceptance_weighs_classes_by_their_requests():
-    own, fleet = {"copy": 0.9}, {"copy": 0.5, "chat": 0.1}
-    # Own statistics win over the fleet's; the fleet fills a class the replica has not seen.
-    assert batch_class_acceptance(Counter(copy=3, chat=1), own, fleet) == \
-        pytest.approx((3 * 0.9 + 0.1) / 4)
-    assert batch_class_acceptance(Counter(unknown=5, copy=0), own, fleet) is None
+def test_class_prior_weighs_classes_by_their_requests_over_the_positions_all_measured():
+    own, fleet = {"copy": (0.9, 0.9, 0.9), "code": (0.6, 0.4)}, {"chat": (0.3, 0.1, 0.05),
+                                                                  "copy": (0.8, 0.8, 0.8)}
+    # The fleet's rates for a class first (more evidence); the replica's own fill a class
+    # the hub has not heard of (code). Positions beyond the shortest are left to the policy.
+    assert mixture(Counter(copy=3, chat=1), own, fleet) == pytest.approx(
+        ((3 * 0.8 + 0.3) / 4, (3 * 0.8 + 0.1) / 4, (3 * 0.8 + 0.05) / 4))
+    assert mixture(Counter(copy=1, code=1), own, fleet) == pytest.approx((0.7, 0.6))
+    assert mixture(Counter(unknown=5, copy=0), own, fleet) == ()
+
+
+def test_class_rates_decay_per_position_and_keep_the_positions_a_shallow_k_left_alone():
+    assert rates_from_counts([8, 4, 0], [10, 10, 0]) == (0.8, 0.4)  # a prefix: K=2
+    assert blend_rates(None, (0.8, 0.4)) == (0.8, 0.4)
+    assert blend_rates((0.8, 0.4, 0.2), (0.5,)) == pytest.approx((0.71, 0.4, 0.2))
+    classes = ClassAcceptance()
+    classes.observe({"greedy": ([9, 9], [10, 10]), "sampled": ([0, 0], [0, 0])})
+    assert classes.own == {"greedy": (0.9, 0.9)}, "a class that drafted nothing says nothing"
+    assert classes.prior(Counter(greedy=2)) == (0.9, 0.9)

@@ -94,9 +94,9 @@ def test_oracle_picks_the_true_best_k(request_class, requests, expected_k):
     assert oracle.decide(signals).k == max(rate, key=rate.get) == expected_k
 
 
-def test_engine_batch_slots_serve_every_token_and_count_first_drafts_per_class():
+def test_engine_batch_slots_serve_every_token_and_count_drafts_per_class():
     """The engine runs its batch as arrays: every request gets exactly its tokens, a slot an
-    abort frees goes to a waiting request, and first drafts are counted per class."""
+    abort frees goes to a waiting request, and drafts are counted per class and position."""
     engine = SimulatedEngine(PRESETS[PRESET], kmax=15, max_num_seqs=4, seed=3)
     asyncio.run(engine.set_k(3))
     lengths = {f"r{i}": 20 + 7 * i for i in range(8)}
@@ -116,9 +116,11 @@ def test_engine_batch_slots_serve_every_token_and_count_first_drafts_per_class()
         finished.update((e.request.request_id, e.generated) for e in engine.just_finished)
     assert finished == {r: n for r, n in lengths.items() if r != "r0"}
     assert generated == sum(finished.values())  # r0 left before any step ran
-    counts = engine.take_first_drafts()
+    counts = engine.take_class_drafts()
     preset = PRESETS[PRESET]
     copy_landed, copy_drafted = counts[preset.acceptance["high_2"]]
     chat_landed, chat_drafted = counts[preset.acceptance["low_1"]]
-    assert copy_landed / copy_drafted > 0.95 > 0.7 > chat_landed / chat_drafted > 0.25
-    assert engine.take_first_drafts() == {}  # counted once
+    assert copy_drafted[:3] == [copy_drafted[0]] * 3 and copy_drafted[3] == 0  # K=3
+    assert copy_landed[0] / copy_drafted[0] > 0.95 > 0.7 > chat_landed[0] / chat_drafted[0] > 0.25
+    assert chat_landed[0] >= chat_landed[1] >= chat_landed[2], "a draft lands after its prefix"
+    assert engine.take_class_drafts() == {}  # counted once

@@ -137,15 +137,37 @@ def test_goodput_probes_the_next_tier_when_nothing_measured_it():
 
 
 def test_goodput_at_zero_measures_at_once_when_the_request_classes_landed_drafts_before():
-    def at_zero(hint: float | None) -> list[int]:
+    def at_zero(hint: tuple[float, ...]) -> list[int]:
         policy = goodput()
         settle(policy, acceptance=0.0, batch=8, rounds=8)  # to K=0, nothing drafted since
-        signals = Signals(**{**window(0, 0.0, batch=8).__dict__,
-                             "batch_class_acceptance": hint})
+        signals = Signals(**{**window(0, 0.0, batch=8).__dict__, "class_prior": hint})
         return [policy.decide(signals).k for _ in range(10)]
 
-    assert at_zero(0.95)[-1] == 1, "greedy-copy classes arrived: measure now"
-    assert set(at_zero(0.01)) == {0} and set(at_zero(None)) == {0}
+    assert at_zero((0.95,))[-1] == 1, "greedy-copy classes arrived: measure now"
+    assert set(at_zero((0.01,))) == {0} and set(at_zero(())) == {0}
+
+
+def test_goodput_prices_unmeasured_positions_by_the_request_classes_not_the_fleet():
+    """A chat-like replica (each position lands with 0.45 given the last) in a copy-heavy
+    fleet: the fleet's prior prices the positions beyond K as copy traffic, so the policy
+    keeps trying deeper tiers and coming back; its requests' class prior settles it."""
+    fleet = ClusterView(effective_concurrency=8, acceptance_prior=(0.7,) + (0.6,) * 14)
+    chat = tuple(0.45 ** (k + 1) for k in range(15))
+
+    def tiers(class_prior: tuple[float, ...]) -> list[int]:
+        policy, k, ks = goodput(), 1, []
+        for _ in range(20):
+            signals = window(k, 0.45, batch=8, cluster=fleet)
+            k = policy.decide(Signals(**{**signals.__dict__, "class_prior": class_prior})).k
+            ks.append(k)
+        return ks
+
+    def switches(ks: list[int]) -> int:
+        return sum(a != b for a, b in zip([1, *ks], ks, strict=False))
+
+    assert switches(tiers(())) >= 5, "the fleet's prior keeps it probing deep tiers"
+    settled = tiers(chat)
+    assert switches(settled) == 1 and settled[-1] == 3
 
 
 def test_goodput_counts_only_the_steps_that_proposed_drafts():

@@ -81,7 +81,8 @@ class SimulatedEngine:
         self._left = np.zeros(max_num_seqs, np.int64)  # tokens still to generate
         self._slot_class = np.zeros(max_num_seqs, np.int64)  # index into the table
         self._streams: dict[int, _SimRequest] = {}  # by slot
-        self._first_drafts = np.zeros((2, len(self._table.classes)), np.int64)
+        # Per class and draft position: (sequence-steps that landed it, that drafted it).
+        self._class_drafts = np.zeros((2, len(self._table.classes), kmax), np.int64)
         self._records: list[StepRecord] = []
         self._totals = EngineCounters(accepted_per_pos=[0] * kmax, drafted_per_pos=[0] * kmax)
         self._loop: asyncio.Task | None = None
@@ -177,13 +178,12 @@ class SimulatedEngine:
         self._streams.pop(slot, None)
         self._free_slots.append(slot)
 
-    def take_first_drafts(self) -> dict[Acceptance, tuple[int, int]]:
-        """Per class since the last call: (sequence-steps whose first draft was accepted,
-        sequence-steps that drafted), the per-class first-draft acceptance that replicas
-        report to routers."""
-        counts = {acceptance: (int(landed), int(drafted)) for acceptance, landed, drafted
-                  in zip(self._table.classes, *self._first_drafts, strict=True) if drafted}
-        self._first_drafts[:] = 0
+    def take_class_drafts(self) -> dict[Acceptance, tuple[list[int], list[int]]]:
+        """Per class since the last call, per draft position: (sequence-steps that landed
+        it, sequence-steps that drafted it), what a replica reports as its class's acceptance."""
+        counts = {acceptance: (landed.tolist(), drafted.tolist()) for acceptance, landed, drafted
+                  in zip(self._table.classes, *self._class_drafts, strict=True) if drafted[0]}
+        self._class_drafts[:] = 0
         return counts
 
     def next_batch_acceptance(self) -> Counter[Acceptance]:
@@ -230,12 +230,16 @@ class SimulatedEngine:
         self._left -= tokens
         finished = active & (self._left == 0)
         ran = runs[active]
+        accepted_pos = [0] * self.kmax
         if k:
-            classes = self._slot_class[active]
-            self._first_drafts[0] += np.bincount(classes, weights=ran > 0,
-                                                 minlength=len(self._table.classes)
-                                                 ).astype(np.int64)
-            self._first_drafts[1] += np.bincount(classes, minlength=len(self._table.classes))
+            width = len(self._table.classes)
+            per_class = np.bincount(self._slot_class[active] * (k + 1) + ran,
+                                    minlength=width * (k + 1)).reshape(width, k + 1)
+            # Position p landed in every sequence-step whose run reached p + 1.
+            landed = np.cumsum(per_class[:, :0:-1], axis=1)[:, ::-1]
+            self._class_drafts[0, :, :k] += landed
+            self._class_drafts[1, :, :k] += per_class.sum(axis=1, keepdims=True)
+            accepted_pos[:k] = landed.sum(axis=0).tolist()
         for slot, entry in self._streams.items():
             entry.generated += int(tokens[slot])
             entry.queue.put_nowait(((0,) * int(tokens[slot]), bool(finished[slot])))
@@ -246,9 +250,6 @@ class SimulatedEngine:
             entry.done = True
             self._release(entry)
             self.just_finished.append(entry)
-        # Position p landed in every step whose run reached p + 1.
-        reached = np.cumsum(np.bincount(ran, minlength=k + 1)[::-1])[::-1]
-        accepted_pos = reached[1:].tolist() + [0] * (self.kmax - k)
         drafted_pos = [size] * k + [0] * (self.kmax - k)
         drafts = size if k else 0
         record = StepRecord(running=size, waiting=len(self._waiting), k=k, wall_s=seconds,

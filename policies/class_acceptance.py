@@ -1,0 +1,92 @@
+"""What the request classes on a replica did before: per class, a decayed p[k] per position.
+
+A request class is set where the request enters (the ingress: greedy or sampled; the cluster
+simulation: copy-, code- or chat-like). A replica keeps, for each class, p[k] (the share of
+its drafts with more than k accepted) blended across telemetry periods, and pushes it to the
+hub, which averages the fleet's per class. The replica's policy then sees the mixture over the
+requests it now holds (the fleet's rates for each class, else its own) as its acceptance prior
+and, at K=0 where nothing is drafted, as its only hint that drafts would land.
+
+Why per class rather than one fleet-wide prior: under class-gathering routing a replica serves
+mostly one class, and the fleet's mean describes the others. A chat-like replica in a
+copy-heavy fleet saw deep positions priced at the copy traffic's acceptance, switched to a deep
+K, measured it, and switched back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+Rates = tuple[float, ...]
+"""p[k] per draft position, over the positions that were measured (a prefix: a draft reaches
+position k only through the positions before it)."""
+WEIGHT_NEW = 0.3
+"""Weight of a telemetry period's fresh rate in the decayed one (about the last 3 periods)."""
+
+
+def rates_from_counts(accepted: Sequence[float], drafted: Sequence[float]) -> Rates:
+    """p[k] = accepted[k] / drafted[k] for the leading positions that were drafted."""
+    rates = []
+    for landed, offered in zip(accepted, drafted, strict=False):
+        if offered <= 0:
+            break
+        rates.append(min(1.0, landed / offered))
+    return tuple(rates)
+
+
+def blend_rates(old: Rates | None, fresh: Rates) -> Rates:
+    """Per position, a decayed rate in which each new period weighs `WEIGHT_NEW`; a position
+    measured on one side only keeps that side's value (a shallow K measures no deep position,
+    which keeps its past)."""
+    old = old or ()
+    return tuple(old[k] + WEIGHT_NEW * (fresh[k] - old[k]) if k < len(old) and k < len(fresh)
+                 else fresh[k] if k < len(fresh) else old[k]
+                 for k in range(max(len(old), len(fresh))))
+
+
+def mixture(class_counts: Mapping[str, int], own: Mapping[str, Rates],
+            fleet: Mapping[str, Rates]) -> Rates:
+    """Mean p[k] of the requests on a replica, given how many of each class it holds: the
+    fleet's rates for a class (the hub's mean, more evidence, this replica's included), else
+    the replica's own (no hub, or a class the hub has not heard of yet). Covers the positions
+    every weighed class has measured (the policy extrapolates beyond); () when none is known."""
+    weighed = [(count, fleet.get(c) or own.get(c)) for c, count in class_counts.items()
+               if count > 0]
+    weighed = [(count, rates) for count, rates in weighed if rates]
+    if not weighed:
+        return ()
+    total = sum(count for count, _ in weighed)
+    width = min(len(rates) for _, rates in weighed)
+    return tuple(sum(count * rates[k] for count, rates in weighed) / total
+                 for k in range(width))
+
+
+def fleet_average(reports: Iterable[Mapping[str, Rates]]) -> dict[str, Rates]:
+    """Per class and position, the mean over the replicas that measured it (the hub's view)."""
+    sums: dict[str, list[list[float]]] = {}  # class -> per position [total, replicas]
+    for report in reports:
+        for request_class, rates in report.items():
+            entry = sums.setdefault(request_class, [])
+            entry.extend([0.0, 0] for _ in range(len(rates) - len(entry)))
+            for k, rate in enumerate(rates):
+                entry[k][0] += rate
+                entry[k][1] += 1
+    return {c: tuple(total / n for total, n in entry) for c, entry in sums.items()}
+
+
+class ClassAcceptance:
+    """One replica's per-class rates (`own`, what it pushes) and the fleet's (from the hub)."""
+
+    def __init__(self) -> None:
+        self.own: dict[str, Rates] = {}
+        self.fleet: dict[str, Rates] = {}
+
+    def observe(self, counts: Mapping[str, tuple[Sequence[float], Sequence[float]]]) -> None:
+        """One period's (accepted, drafted) per position for each class that drafted."""
+        for request_class, (accepted, drafted) in counts.items():
+            fresh = rates_from_counts(accepted, drafted)
+            if fresh:
+                self.own[request_class] = blend_rates(self.own.get(request_class), fresh)
+
+    def prior(self, class_counts: Mapping[str, int]) -> Rates:
+        return mixture(class_counts, self.own, self.fleet)
