@@ -145,8 +145,11 @@ def summarise(results: dict[str, ModeResult], phase_names: list[str]) -> dict[st
                        "phase_accept_len": {n: r.phases[n].tokens / r.phases[n].sequence_steps
                                             for n in phase_names}}
     best = {n: max(modes[m]["phases"][n] for m in STATIC if m in modes) for n in phase_names}
-    # Phases carry equal token counts, so the oracle's overall rate is the harmonic mean.
-    modes["oracle"] = {"throughput": len(best) / sum(1 / v for v in best.values()),
+    # Every mode generates the same tokens per phase; the sweep's phases differ in size, so
+    # the oracle's overall rate weighs each phase's time by its tokens.
+    tokens = {n: next(iter(results.values())).phases[n].tokens for n in phase_names}
+    modes["oracle"] = {"throughput": sum(tokens.values()) /
+                       sum(tokens[n] / best[n] for n in phase_names),
                        "accept_len": None, "switches": None, "phases": best}
     return modes
 

@@ -7,7 +7,16 @@ import asyncio
 import numpy as np
 import pytest
 
-from bench.policy_replay import ADAPTIVE, PUBLISHED_H20, STATIC, phases_for, replay, summarise
+from bench.policy_replay import (
+    ADAPTIVE,
+    PUBLISHED_H20,
+    STATIC,
+    ModeResult,
+    PhaseResult,
+    phases_for,
+    replay,
+    summarise,
+)
 from replicas.engines.sim_presets import Acceptance, AcceptanceTable
 
 PHASES = ["low_1", "high_1", "low_2", "high_2"]
@@ -51,3 +60,16 @@ def test_acceptance_mixture_matches_its_expected_run_length() -> None:
     assert sum(runs) / len(runs) == pytest.approx(expected, rel=0.03)
     assert acceptance.mean_run(k) == pytest.approx(expected)
     assert max(runs) == k and min(runs) == 0
+
+
+def test_the_oracle_weighs_each_phase_by_its_tokens() -> None:
+    """The oracle runs each phase at the best static rate; a sweep's phases differ in size, so
+    its overall rate is tokens over summed phase times, not a harmonic mean of rates."""
+    def mode(*phases: tuple[int, float]) -> ModeResult:
+        return ModeResult(phases={name: PhaseResult(tokens, seconds, tokens)
+                                  for name, (tokens, seconds) in zip("ab", phases, strict=True)})
+
+    modes = summarise({"static1": mode((100, 1.0), (900, 3.0)),
+                       "static3": mode((100, 2.0), (900, 1.0))}, ["a", "b"])
+    assert modes["oracle"]["phases"] == {"a": 100.0, "b": 900.0}
+    assert modes["oracle"]["throughput"] == pytest.approx(1000 / 2.0)
