@@ -17,8 +17,6 @@ from replicas.engines.spec import DEMO_TARGET, EngineSpec
 from replicas.engines.vllm_engine import VllmEngine, cpu_bind_for_rank, start_up_schedule
 from replicas.tier_pool import TierPool
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
-
 MAX_TOKENS = 48
 
 
