@@ -19,11 +19,12 @@ each replica's batch in one class, where a rule that ranked by reported acceptan
 The request class comes with the request (`payload["request_class"]`, set by the ingress:
 `greedy` (temperature 0) or `sampled`).
 
-Loads stay fresh: a replica reports its handler's requests per router (each router stamps the
-payloads it routes with its id). A router counts its own requests itself, exactly and at once,
-and takes from the report only the other routers' share. (Taking the larger of the report and
-its own count left a replica that had just finished a batch looking busy until its next
-report: a whole phase of requests then went to the other replica.)
+Loads stay fresh: a replica reports its handler's requests per router and class (each router
+stamps the payloads it routes with its id). A router counts its own requests itself, exactly
+and at once, and takes from the report only the other routers' share, in all and of the
+class. (Taking the larger of the report and its own count left a replica that had just
+finished a batch looking busy until its next report: a whole phase of requests then went to
+the other replica.)
 
 The router also tells the telemetry hub how many requests it has in flight to each replica
 (`RoutedReporter`): fire-and-forget actor calls, at most one per `REPORT_S`, refreshed while
@@ -66,11 +67,15 @@ class ReplicaLoad(NamedTuple):  # a tuple: routers build one per candidate per r
     """Of `load`, requests of the class being routed."""
 
 
-def replica_load(router_id: str, own_in_flight: int, stats: dict[str, Any]) -> int:
-    """This router's requests in flight to the replica, plus the other routers' requests in
-    its handler as of its last report (`ongoing` less this router's share of it)."""
-    mine = (stats.get("ongoing_by_router") or {}).get(router_id, 0)
-    return own_in_flight + max(0, int(stats.get("ongoing", 0)) - mine)
+def others_in_handler(router_id: str, request_class: str, stats: dict[str, Any]
+                      ) -> tuple[int, int]:
+    """The other routers' requests in the replica's handler as of its last report (per router
+    and class: `ongoing_by_router`), in all and of `request_class`. This router counts its own
+    itself, fresher than any report."""
+    others = [classes for router, classes in (stats.get("ongoing_by_router") or {}).items()
+              if router != router_id]
+    return (sum(sum(classes.values()) for classes in others),
+            sum(classes.get(request_class, 0) for classes in others))
 
 
 def gathering_cost(replica: ReplicaLoad, affinity: float = CLASS_AFFINITY) -> float:
@@ -181,7 +186,7 @@ class ClassGatheringRouter(RequestRouter):
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
         payload = _payload(pending_request)
-        if payload is not None:  # the replica counts its requests per router (replica_load)
+        if payload is not None:  # the replica counts its requests per router (others_in_handler)
             payload["router_id"] = self.router_id
         request_class = _request_class(payload)
         request_id = pending_request.metadata.internal_request_id if pending_request else None
@@ -196,12 +201,11 @@ class ClassGatheringRouter(RequestRouter):
         for replica in candidate_replicas:
             stats = replica.routing_stats or {}
             self.reporter.hub = stats.get("hub") or self.reporter.hub
+            others, others_same = others_in_handler(self.router_id, request_class, stats)
             own = self.in_flight.get(replica.replica_id, 0) + reserved[replica.replica_id]
-            # Other routers' requests count in the load, not in the class share (the
-            # replicas report them per router, not per class).
-            loads.append(ReplicaLoad(replica.replica_id.unique_id,
-                                     replica_load(self.router_id, own, stats),
-                                     self.in_flight_classes[replica.replica_id][request_class]))
+            own_same = self.in_flight_classes[replica.replica_id][request_class]
+            loads.append(ReplicaLoad(replica.replica_id.unique_id, own + others,
+                                     own_same + others_same))
         best, *rest = rank_replicas(loads)
         pick = self.rng.choice(best)  # Serve tries the first rank first: make it one replica
         ranks = [[pick], *([[r for r in best if r != pick]] if len(best) > 1 else []), *rest]

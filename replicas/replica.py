@@ -69,7 +69,8 @@ class EngineReplica:
         self.active_spans = tracing.ActiveSpans()
         self.telemetry_period_s = telemetry_period_s
         self.ongoing = 0
-        self._ongoing_by_router: Counter[str | None] = Counter()
+        # Requests in the handler per (router id, request class): routers take the others'.
+        self._ongoing_by_router: Counter[tuple[str | None, str]] = Counter()
         self.cluster: ClusterView | None = None
         self._window = ([0] * self.engine.kmax, [0] * self.engine.kmax)
         self._hub: Any = None
@@ -96,9 +97,9 @@ class EngineReplica:
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request: yields {"text", "token_ids", ...} chunks, or one {"error"}."""
         self.ongoing += 1
-        router = payload.get("router_id")
-        self._ongoing_by_router[router] += 1
-        self._request_class[payload["request_id"]] = payload.get("request_class", "default")
+        source = (payload.get("router_id"), payload.get("request_class", "default"))
+        self._ongoing_by_router[source] += 1
+        self._request_class[payload["request_id"]] = source[1]
         span = tracing.start_replica_span(
             payload.get("trace_context"), request_id=payload["request_id"],
             replica_id=self.replica_id, model=self.model_name, k_start=self.pool.active_k)
@@ -135,9 +136,9 @@ class EngineReplica:
             raise
         finally:
             self.ongoing -= 1
-            self._ongoing_by_router[router] -= 1
-            if not self._ongoing_by_router[router]:
-                del self._ongoing_by_router[router]
+            self._ongoing_by_router[source] -= 1
+            if not self._ongoing_by_router[source]:
+                del self._ongoing_by_router[source]
             self._request_class.pop(payload["request_id"], None)
             self.active_spans.discard(span)
             after = self.engine.counters()
@@ -312,9 +313,17 @@ class EngineReplica:
         counters = self.engine.counters()
         return {"running": counters.running, "waiting": counters.waiting,
                 "ongoing": self.ongoing, "active_k": self.pool.active_k,
-                # Routers subtract their own share and count it themselves, fresher.
-                "ongoing_by_router": dict(self._ongoing_by_router),
+                # Routers take the other routers' share, in all and per class, and count
+                # their own themselves, fresher.
+                "ongoing_by_router": self._ongoing_by_router_report(),
                 "hub": self._hub}  # routers report what they routed to it
+
+    def _ongoing_by_router_report(self) -> dict[str | None, dict[str, int]]:
+        """Requests in the handler as {router id: {request class: count}}."""
+        report: dict[str | None, dict[str, int]] = {}
+        for (router, request_class), count in self._ongoing_by_router.items():
+            report.setdefault(router, {})[request_class] = count
+        return report
 
     def stats(self) -> dict[str, Any]:
         counters = self.engine.counters()

@@ -104,3 +104,25 @@ def test_router_gathers_each_class_on_its_replicas_and_forgets_finished_requests
         gathering.on_request_completed(replica, f"q{i}")
     assert sum(gathering.in_flight.values()) == 0
     assert all(not any(c.values()) for c in gathering.in_flight_classes.values())
+
+
+def test_router_counts_other_routers_requests_in_the_class_share():
+    """Two ingress replicas, two routers: what the other router sent shows in the replicas'
+    reports per class, so this router sends greedy requests where the other's greedy ones are
+    (equal loads otherwise: a coin toss without the per-class report)."""
+    gathering = object.__new__(router.ClassGatheringRouter)
+    gathering.initialize_state()
+    reports = {"r1": {"ongoing_by_router": {"other": {"greedy": 3}}},
+               "r2": {"ongoing_by_router": {"other": {"sampled": 3}}}}
+    replicas = [SimpleNamespace(replica_id=_ReplicaID(name), routing_stats=stats)
+                for name, stats in reports.items()]
+
+    async def first_choice(request_class: str, request_id: str) -> str:
+        request = SimpleNamespace(args=[{"request_class": request_class}],
+                                  metadata=SimpleNamespace(internal_request_id=request_id))
+        ranks = await gathering.choose_replicas(replicas, request)
+        return ranks[0][0].replica_id.unique_id
+
+    for i in range(8):  # the choice among equals is random: every draw must agree
+        assert asyncio.run(first_choice("greedy", f"g{i}")) == "r1"
+        assert asyncio.run(first_choice("sampled", f"s{i}")) == "r2"

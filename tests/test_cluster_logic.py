@@ -13,8 +13,8 @@ from app.router import (
     RecentByClass,
     ReplicaLoad,
     gathering_cost,
+    others_in_handler,
     rank_replicas,
-    replica_load,
     sample_candidates,
 )
 from app.telemetry_hub import PRIOR_DECAY, ClusterState
@@ -66,14 +66,18 @@ def test_router_remembers_where_each_class_went_for_sampled_fleets():
     assert sample_candidates(fleet[:5], random.Random(0), also=["r7"]) == fleet[:5]
 
 
-def test_router_load_is_its_own_fresh_count_plus_other_routers_reported_share():
-    # The replica's last report still shows six of this router's requests, all finished since.
-    just_finished = {"ongoing": 6, "ongoing_by_router": {"me": 6}}
-    assert replica_load("me", 0, just_finished) == 0
-    # Three of the five reported are another router's; this router has two in flight now.
-    shared = {"ongoing": 5, "ongoing_by_router": {"me": 2, "other": 3}}
-    assert replica_load("me", 2, shared) == 5
-    assert replica_load("me", 1, {}) == 1  # no report yet
+def test_router_takes_only_the_other_routers_share_of_a_report_in_all_and_per_class():
+    # The replica's last report still shows six of this router's requests, all finished since:
+    # the router counts its own itself.
+    just_finished = {"ongoing_by_router": {"me": {"greedy": 6}}}
+    assert others_in_handler("me", "greedy", just_finished) == (0, 0)
+    # Another router has three greedy and one sampled request there; a direct call (no router
+    # id) one more sampled.
+    shared = {"ongoing_by_router": {"me": {"greedy": 2}, "other": {"greedy": 3, "sampled": 1},
+                                    None: {"sampled": 1}}}
+    assert others_in_handler("me", "greedy", shared) == (5, 3)
+    assert others_in_handler("me", "sampled", shared) == (5, 2)
+    assert others_in_handler("me", "greedy", {}) == (0, 0)  # no report yet
 
 
 def test_hub_view_counts_effective_concurrency_and_builds_the_prior():
