@@ -56,6 +56,7 @@ from bench.policy_replay import CANDIDATES
 from bench.policy_replay import policy_config as replay_policy_config
 from bench.report import print_table
 from policies.class_acceptance import ClassAcceptance, Rates
+from policies.goodput import GoodputConfig
 from policies.registry import build_policy
 from policies.signals import ClusterView, Decision, Signals
 from replicas.control_loop import ControlLoop
@@ -227,10 +228,12 @@ class OracleK:
         return Decision(max(self.candidates, key=tokens_per_second), "oracle")
 
 
-def policy_for(mode: str) -> dict[str, Any]:
+def policy_for(mode: str, switch_margin: float | None = None) -> dict[str, Any]:
     if mode.startswith("goodput"):
         config = replay_policy_config("goodput", PRESET)
         config["concurrency_source"] = "local" if mode == "goodput_local" else "effective"
+        if switch_margin is not None:
+            config["switch_margin"] = switch_margin
         return config
     config = replay_policy_config(mode, PRESET)
     if mode == "batch_table":
@@ -239,7 +242,8 @@ def policy_for(mode: str) -> dict[str, Any]:
 
 
 async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s: float,
-                   slo_ttft_s: float, slo_tpot_s: float, seed: int) -> ModeOutcome:
+                   slo_ttft_s: float, slo_tpot_s: float, seed: int,
+                   switch_margin: float | None = None) -> ModeOutcome:
     started = time.perf_counter()
     preset = PRESETS[PRESET]
     uses_cluster, gathering = mode in CLUSTER, mode == "goodput_routed"
@@ -251,7 +255,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
         await pool.apply_initial()
         replica = SimReplica(f"r{i}", engine, pool)
         policy = OracleK(engine, CANDIDATES) if mode == ORACLE else \
-            build_policy(policy_for(mode), CANDIDATES)
+            build_policy(policy_for(mode, switch_margin), CANDIDATES)
         replica.loop = ControlLoop(
             engine, pool, policy,
             max_batch=engine.max_num_seqs,
@@ -432,6 +436,21 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
               summary([v["cluster_vs_best_static"] for v in vs]),
               summary([v["ema_switches_vs_cluster"] for v in vs]),
               summary([v["oracle_vs_best_local"] for v in vs])] for n, vs in spread.items()]))
+    margins = {n: r for n, r in runs.items() if "margins" in r}
+    if margins:
+        default = GoodputConfig.model_fields["switch_margin"].default
+        rows = []
+        for n, run in margins.items():
+            base, ema = run["modes"]["goodput_routed"], run["modes"]["ema"]
+            for margin, r in {f"{default} (default)": base, **run["margins"]}.items():
+                switches = r["switches_per_replica_hour"]
+                rows.append([n, margin, f"{r['goodput'] / base['goodput']:.3f}",
+                             f"{r['slo_attainment']:.1%}", f"{switches:.0f}",
+                             f"{ema['switches_per_replica_hour'] / max(switches, 1e-9):.1f}x"])
+        parts.append(print_table(
+            "FEWER SWITCHES FOR A LARGER SWITCH MARGIN (goodput_routed, first seed)",
+            ["replicas", "switch margin", "goodput / default's", "SLO met",
+             "switches / replica-hour", "ema switches / these"], rows))
     shares = next(iter(runs.values()))["token_shares"]
     bounds = {b: gathering_bound(PRESETS[PRESET], shares, b) for b in (16, 32, 64)}
     parts.append(print_table(
@@ -471,11 +490,12 @@ def plot(runs: dict[int, dict[str, Any]], path: Path) -> None:
 
 
 def run_fleet(replicas: int, arrivals: list[Arrival], duration_s: float, modes: list[str],
-              args: argparse.Namespace, seed: int, verbose: bool) -> dict[str, dict[str, Any]]:
+              args: argparse.Namespace, seed: int, verbose: bool,
+              switch_margin: float | None = None) -> dict[str, dict[str, Any]]:
     results = {}
     for mode in modes:
         outcome = asyncio.run(simulate(mode, replicas, arrivals, duration_s,
-                                       args.slo_ttft, args.slo_tpot, seed))
+                                       args.slo_ttft, args.slo_tpot, seed, switch_margin))
         results[mode] = summarise(outcome, replicas)
         if verbose:
             print(f"{replicas:4d} replicas {mode:16s} goodput {results[mode]['goodput']:9.0f} "
@@ -502,6 +522,9 @@ def main() -> None:
                         help="at fleets up to --seeds-up-to replicas, also run this many seeds "
                              "in all (other burst patterns) and report the verdicts' spread")
     parser.add_argument("--seeds-up-to", type=int, default=64)
+    parser.add_argument("--margins", default="0.15,0.3,0.5",
+                        help="at the same fleets, also run goodput_routed with these switch "
+                             "margins (seed --seed): what fewer switches cost")
     args = parser.parse_args()
     modes = args.modes.split(",")
     shape = LoadShape(rate_per_replica=args.rate)
@@ -519,6 +542,12 @@ def main() -> None:
                     verdicts(run_fleet(replicas, workload(replicas, duration, shape, seed),
                                        duration, modes, args, seed, verbose=False))
                     for seed in range(args.seed + 1, args.seed + args.seeds)]
+            if replicas <= args.seeds_up_to and args.margins:
+                runs[replicas]["margins"] = {
+                    margin: run_fleet(replicas, arrivals, duration, ["goodput_routed"], args,
+                                      args.seed, verbose=False, switch_margin=float(margin)
+                                      )["goodput_routed"]
+                    for margin in args.margins.split(",")}
     complete = {n: r for n, r in runs.items() if "verdicts" in r}
     text = report(complete) if complete else ""
     print(f"\nSIMULATOR preset {PRESET}; SLO: TTFT <= {args.slo_ttft} s and TPOT <= "

@@ -47,6 +47,15 @@ def test_every_request_is_served_and_counted(arrivals, mode):
         assert outcome.switches == 0
 
 
+def test_a_larger_switch_margin_switches_less(arrivals):
+    def switches(margin: float | None) -> int:
+        return asyncio.run(simulate("goodput_routed", REPLICAS, arrivals, DURATION_S, 2.0,
+                                    0.02, seed=1, switch_margin=margin)).switches
+
+    default, wide = switches(None), switches(1.0)
+    assert default > 0 and wide < default
+
+
 def test_workload_is_bursty_and_skewed(arrivals):
     classes = [a.request_class for a in arrivals]
     shares = {c: classes.count(c) / len(classes) for c in set(classes)}
