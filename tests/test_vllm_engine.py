@@ -7,13 +7,16 @@ shared by the module.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import uuid
 
 import pytest
 
 from bench.workloads import COPY_PROMPT, FREE_PROMPTS
 from replicas.engines.base import EngineInputError, GenerationRequest
-from replicas.engines.spec import DEMO_TARGET, EngineSpec
+from replicas.engines.spec import DEMO_TARGET, REPO_ROOT, EngineSpec
 from replicas.engines.vllm_engine import VllmEngine, cpu_bind_for_rank, start_up_schedule
 from replicas.tier_pool import TierPool
 
@@ -195,3 +198,28 @@ def test_start_up_schedule_names_every_tier():
     assert table == [[1, 1, 0], [2, 2, 1], [3, 3, 3], [4, 4, 7], [5, 64, 15]]
     assert start_up_schedule((), kmax=15, max_num_seqs=64) == [[1, 64, 15]]
     assert start_up_schedule((0, 1, 3), kmax=7, max_num_seqs=2) == [[1, 2, 7]]
+
+
+def test_starting_the_engine_keeps_a_buffered_log_file_writing(tmp_path):
+    """Ray Serve writes a replica's log file through a MemoryHandler; the engine applies
+    vLLM's logging config as it starts (`logging.config.dictConfig`), which closes it. The
+    adapter starts the engine inside `buffered_log_targets_kept`, so lines logged afterwards
+    still reach the file. A fresh process, calling what AsyncLLM calls."""
+    log_file = tmp_path / "replica.log"
+    script = f"""
+import logging, logging.handlers
+from replicas.engines.vllm_engine import buffered_log_targets_kept
+serve_logger = logging.getLogger("ray.serve")
+serve_logger.addHandler(logging.handlers.MemoryHandler(
+    100, target=logging.FileHandler({str(log_file)!r})))
+serve_logger.setLevel(logging.INFO)
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging_if_needed
+with buffered_log_targets_kept():
+    configure_logging_if_needed(LoggingConfig())
+serve_logger.info("after the engine's logging config")
+serve_logger.handlers[0].flush()
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO_ROOT, timeout=300,
+                   env={**os.environ, "VLLM_CONFIGURE_LOGGING": "1"})
+    assert "after the engine's logging config" in log_file.read_text()

@@ -11,11 +11,13 @@ the GPU differences are the async scheduler class and CUDA-graph capture sizes).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import logging.handlers
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from policies.signals import RequestAcceptance
@@ -71,6 +73,29 @@ def configure_environment(spec: EngineSpec, replica_rank: int) -> None:
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if str(REPO_ROOT) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, paths)])
+
+
+@contextlib.contextmanager
+def buffered_log_targets_kept() -> Iterator[None]:
+    """Re-attach buffered log handlers' targets that a `logging.config.dictConfig` closed.
+
+    vLLM's engine configures its loggers with `dictConfig` as it starts (AsyncLLM applies its
+    logging config), and `dictConfig` closes every handler in the process. Ray Serve writes a
+    replica's log file through a `MemoryHandler`, and closing one drops its target for good:
+    the replica's own lines then reached only the worker's stderr, not its Serve log file. A
+    closed file handler reopens by itself on the next record, so the targets are all that
+    needs restoring.
+    """
+    loggers = [logging.getLogger(), *(entry for entry in logging.root.manager.loggerDict.values()
+                                      if isinstance(entry, logging.Logger))]
+    targets = {handler: handler.target for entry in loggers for handler in entry.handlers
+               if isinstance(handler, logging.handlers.MemoryHandler) and handler.target}
+    try:
+        yield
+    finally:
+        for handler, target in targets.items():
+            if handler.target is None:
+                handler.target = target
 
 
 def _cuda_available() -> bool:
@@ -224,8 +249,9 @@ class VllmEngine:
             disable_log_stats=False,
             enforce_eager=self.spec.enforce_eager,
         )
-        self._llm = AsyncLLM.from_engine_args(
-            args, stat_loggers=[_stat_logger_factory(self._steps)])
+        with buffered_log_targets_kept():  # the engine configures logging as it starts
+            self._llm = AsyncLLM.from_engine_args(
+                args, stat_loggers=[_stat_logger_factory(self._steps)])
         logger.info("vLLM engine ready: model=%s drafter=%s kmax=%d bind=%s",
                     self.spec.model, self.spec.drafter, self.kmax,
                     os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "-"))
