@@ -158,6 +158,7 @@ class EngineReplica:
                 await self._control_once()
                 if time.monotonic() - last_push >= self.telemetry_period_s:
                     last_push = time.monotonic()
+                    self._update_class_acceptance()  # once a period, hub or not
                     await self._exchange_with_hub()
             except asyncio.CancelledError:
                 raise
@@ -309,7 +310,6 @@ class EngineReplica:
         return self._classes.prior(Counter(self._request_class.values()))
 
     def record_routing_stats(self) -> dict[str, Any]:
-        self._update_class_acceptance()
         counters = self.engine.counters()
         return {"running": counters.running, "waiting": counters.waiting,
                 "ongoing": self.ongoing, "active_k": self.pool.active_k,
