@@ -146,7 +146,7 @@ def test_goodput_probes_rarely_where_the_request_classes_measured_the_next_tier(
     """The same replica, but its requests' classes have rates for the positions of K=3
     (replicas that ran them measured them): the probe waits `COVERED_PROBE_STRETCH`
     intervals instead of one. A class prior its own first position contradicts covers
-    nothing."""
+    nothing, and at K=0 nothing is stretched."""
     def probes(class_prior: tuple[float, ...], decisions: int) -> int:
         policy = goodput(probe_interval_steps=40, switch_margin=0.5)
         signals = Signals(**{**window(1, 0.55, batch=8).__dict__, "class_prior": class_prior})
@@ -158,6 +158,13 @@ def test_goodput_probes_rarely_where_the_request_classes_measured_the_next_tier(
     assert probes(chat[:2], 12) == 1, "the classes never reached position 2"
     copy = (0.99,) * 15
     assert probes(copy, 12) == 1, "the classes' rates do not describe this replica"
+
+    # From K=0 the probe is whether drafting pays at all: never stretched.
+    policy = goodput(probe_interval_steps=40)
+    settle(policy, acceptance=0.0, batch=8, rounds=8)
+    hopeless = tuple(0.01 ** (k + 1) for k in range(15))
+    signals = Signals(**{**window(0, 0.0, batch=8).__dict__, "class_prior": hopeless})
+    assert [policy.decide(signals).k for _ in range(12)].count(1) == 1
 
 
 def test_goodput_at_zero_measures_at_once_when_the_request_classes_landed_drafts_before():
