@@ -23,15 +23,7 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   switches per interval; nothing else switches during a dwell). At K=0 the request classes
   now on the replica are a hint too: when their past acceptance (the fleet's, else this
   replica's) says the smallest tier would win, the policy measures it at once instead of
-  waiting out the interval. Above K=0, when the request classes' rates (measured by the
-  replicas that ran those positions, through the hub) already price the next tier's positions
-  and agree with this replica's first position, the interval stretches
-  `COVERED_PROBE_STRETCH` times: a probe there mostly re-measures what the fleet knows (in
-  the cluster simulation, 8 replicas, the stretch took a class-gathering fleet from 1003 to
-  650 switches per replica-hour at the same goodput). Never from K=0, whose probe asks
-  whether drafting pays at all: with the stretch there too, an app sweep ran at acceptance
-  length 1.01 (K=0) through its concurrency-16 and -64 phases. No prior replaces the probe
-  altogether: a class's traffic may change.
+  waiting out the interval. No prior replaces the probe: a class's traffic may change.
 - A batch that mixes requests whose drafts land with requests whose drafts fail is scored by
   its steady state, from the per-request outcomes an engine reports (vLLM does; see
   `steady_lengths`): 1 + q * sum p[k] is the mean over the batch as it is now, and a deeper K
@@ -64,9 +56,6 @@ SHIFT_MIN_DRAFTS = 16
 # After a shift, the prior is left out for this many updates: the fleet's decayed
 # counts lag the same change.
 PRIOR_PAUSE_UPDATES = 8
-# Above K=0, the probe interval stretches this many times while the request classes'
-# acceptance (see `GoodputPolicy._prior_covers`) prices the next tier's positions.
-COVERED_PROBE_STRETCH = 8
 
 
 class GoodputConfig(BaseModel):
@@ -264,13 +253,8 @@ class AcceptanceWindow:
             return False
         return abs(accepted[0] / fresh - self.accepted[0] / past) > self.shift_threshold
 
-    def uses_prior(self, prior: tuple[float, ...]) -> bool:
-        """Whether `rates` blends this prior in (not set aside after a shift, not
-        contradicted by this replica's own first position)."""
-        return bool(prior) and not self._prior_paused and not self._contradicts(prior)
-
     def rates(self, prior: tuple[float, ...]) -> list[float]:
-        if not self.uses_prior(prior):
+        if self._prior_paused or self._contradicts(prior):
             prior = ()
         rates: list[float] = []
         for k in range(len(self.accepted)):
@@ -420,8 +404,6 @@ class GoodputPolicy:
             return Decision(deeper[0], "probe: these request classes landed drafts before",
                             inputs)
         interval = self.config.probe_interval_steps
-        if current > 0 and deeper and self._prior_covers(signals, deeper[0]):
-            interval *= COVERED_PROBE_STRETCH
         if deeper and self._steps_on_tier >= interval and \
                 self._steps - self._last_drafted[deeper[0] - 1] >= interval:
             self._steps_on_tier = 0
@@ -431,14 +413,6 @@ class GoodputPolicy:
             return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",
                             inputs)
         return Decision(current, "current tier is within the margin of the best", inputs)
-
-    def _prior_covers(self, signals: Signals, tier: int) -> bool:
-        """Do the request classes' rates price every position of `tier`, and do the rates use
-        them? Then someone measured those positions for these classes (replicas that ran them,
-        through the hub, or this replica before), and a probe would mostly re-measure them at
-        the price of a switch there and, mostly, one back."""
-        return len(signals.class_prior) >= tier and \
-            self.acceptance.uses_prior(signals.class_prior)
 
     def _classes_expect_drafts(self, signals: Signals, scores: dict[int, float],
                                tier: int) -> bool:

@@ -8,13 +8,7 @@ from hypothesis import strategies as st
 
 from policies.batch_table import lookup
 from policies.ema import EmaConfig, EmaPolicy
-from policies.goodput import (
-    COVERED_PROBE_STRETCH,
-    GoodputConfig,
-    GoodputPolicy,
-    StepCostModel,
-    steady_lengths,
-)
+from policies.goodput import GoodputConfig, GoodputPolicy, StepCostModel, steady_lengths
 from policies.registry import POLICY_NAMES, build_policy
 from policies.signals import ClusterView, RequestAcceptance, Signals, StepCost
 from policies.stability import StabilityConfig, StabilityPolicy, request_length
@@ -140,31 +134,6 @@ def test_goodput_probes_the_next_tier_when_nothing_measured_it():
     policy = goodput(probe_interval_steps=40, switch_margin=0.5)
     ks = [policy.decide(window(1, 0.55, batch=8)).k for _ in range(12)]
     assert ks.count(3) == 1 and ks[-1] == 1
-
-
-def test_goodput_probes_rarely_where_the_request_classes_measured_the_next_tier():
-    """The same replica, but its requests' classes have rates for the positions of K=3
-    (replicas that ran them measured them): the probe waits `COVERED_PROBE_STRETCH`
-    intervals instead of one. A class prior its own first position contradicts covers
-    nothing, and at K=0 nothing is stretched."""
-    def probes(class_prior: tuple[float, ...], decisions: int) -> int:
-        policy = goodput(probe_interval_steps=40, switch_margin=0.5)
-        signals = Signals(**{**window(1, 0.55, batch=8).__dict__, "class_prior": class_prior})
-        return [policy.decide(signals).k for _ in range(decisions)].count(3)
-
-    chat = tuple(0.55 ** (k + 1) for k in range(15))
-    assert probes(chat, 12) == 0
-    assert probes(chat, 12 * COVERED_PROBE_STRETCH) == 1, "still measured now and then"
-    assert probes(chat[:2], 12) == 1, "the classes never reached position 2"
-    copy = (0.99,) * 15
-    assert probes(copy, 12) == 1, "the classes' rates do not describe this replica"
-
-    # From K=0 the probe is whether drafting pays at all: never stretched.
-    policy = goodput(probe_interval_steps=40)
-    settle(policy, acceptance=0.0, batch=8, rounds=8)
-    hopeless = tuple(0.01 ** (k + 1) for k in range(15))
-    signals = Signals(**{**window(0, 0.0, batch=8).__dict__, "class_prior": hopeless})
-    assert [policy.decide(signals).k for _ in range(12)].count(1) == 1
 
 
 def test_goodput_at_zero_measures_at_once_when_the_request_classes_landed_drafts_before():
