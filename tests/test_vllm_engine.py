@@ -223,3 +223,42 @@ serve_logger.handlers[0].flush()
     subprocess.run([sys.executable, "-c", script], check=True, cwd=REPO_ROOT, timeout=300,
                    env={**os.environ, "VLLM_CONFIGURE_LOGGING": "1"})
     assert "after the engine's logging config" in log_file.read_text()
+
+
+def test_the_engine_core_exits_when_its_replica_process_is_killed():
+    """Serve kills a replica's process after its grace period; the engine core (a child
+    process) and its workers must not outlive it. A fresh process starts an engine, prints
+    the pids of vLLM's processes under it and is killed with SIGKILL, so no shutdown code of
+    its own runs."""
+    import psutil
+
+    script = """
+import asyncio, psutil, time
+from replicas.engines.vllm_engine import VllmEngine
+from tests.test_vllm_engine import spec_for
+async def main():
+    engine = VllmEngine(spec_for("ngram"))
+    await engine.start()
+    cores = [c.pid for c in psutil.Process().children(recursive=True)
+             if c.name().startswith("VLLM::")]
+    print("ENGINE_CORES", *cores, flush=True)
+    await asyncio.sleep(600)
+asyncio.run(main())
+"""
+    replica = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while line is not None and not line.startswith("ENGINE_CORES"):
+            line = replica.stdout.readline() or None  # vLLM logs to stdout too; None at EOF
+        assert line, "the engine did not start"
+        cores = [psutil.Process(int(pid)) for pid in line.split()[1:]]
+        assert any("EngineCore" in c.name() for c in cores), "the core runs in a child"
+    finally:
+        replica.kill()
+        replica.wait(timeout=30)
+    _, alive = psutil.wait_procs(cores, timeout=60)
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    for process in alive:  # do not leave them behind if the test fails
+        process.kill()
+    assert not alive, "vLLM's processes outlived their replica's process"
