@@ -12,6 +12,7 @@ import subprocess
 import sys
 import uuid
 
+import psutil
 import pytest
 
 from bench.workloads import COPY_PROMPT, FREE_PROMPTS
@@ -230,18 +231,16 @@ def test_the_engine_core_exits_when_its_replica_process_is_killed():
     process) and its workers must not outlive it. A fresh process starts an engine, prints
     the pids of vLLM's processes under it and is killed with SIGKILL, so no shutdown code of
     its own runs."""
-    import psutil
-
     script = """
-import asyncio, psutil, time
+import asyncio, psutil
 from replicas.engines.vllm_engine import VllmEngine
 from tests.test_vllm_engine import spec_for
 async def main():
     engine = VllmEngine(spec_for("ngram"))
     await engine.start()
-    cores = [c.pid for c in psutil.Process().children(recursive=True)
-             if c.name().startswith("VLLM::")]
-    print("ENGINE_CORES", *cores, flush=True)
+    vllm = [c.pid for c in psutil.Process().children(recursive=True)
+            if c.name().startswith("VLLM::")]
+    print("VLLM_PROCESSES", *vllm, flush=True)
     await asyncio.sleep(600)
 asyncio.run(main())
 """
@@ -249,15 +248,15 @@ asyncio.run(main())
                                stdout=subprocess.PIPE, text=True)
     try:
         line = ""
-        while line is not None and not line.startswith("ENGINE_CORES"):
+        while line is not None and not line.startswith("VLLM_PROCESSES"):
             line = replica.stdout.readline() or None  # vLLM logs to stdout too; None at EOF
         assert line, "the engine did not start"
-        cores = [psutil.Process(int(pid)) for pid in line.split()[1:]]
-        assert any("EngineCore" in c.name() for c in cores), "the core runs in a child"
+        vllm = [psutil.Process(int(pid)) for pid in line.split()[1:]]
+        assert any("EngineCore" in p.name() for p in vllm), "the core runs in a child"
     finally:
         replica.kill()
         replica.wait(timeout=30)
-    _, alive = psutil.wait_procs(cores, timeout=60)
+    _, alive = psutil.wait_procs(vllm, timeout=60)
     alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     for process in alive:  # do not leave them behind if the test fails
         process.kill()
