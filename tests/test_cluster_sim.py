@@ -9,6 +9,7 @@ import pytest
 
 from bench.cluster_sim import (
     PRESET,
+    WARMUP_S,
     LoadShape,
     OracleK,
     gathering_bound,
@@ -43,8 +44,24 @@ def test_every_request_is_served_and_counted(arrivals, mode):
         (summary["slo_attainment"] == 1)
     assert summary["p50_s"] <= summary["p99_s"]
     assert 1 / 3 <= summary["gathered"] <= 1  # three classes
+    assert outcome.steady_switches <= outcome.switches
     if mode.startswith("static"):
         assert outcome.switches == 0
+
+
+def test_steady_switches_leave_out_the_start_up_and_the_drain(arrivals):
+    """Start-up moves (inside the warm-up) and the drain after the last arrival count in the
+    whole run's switches, not in the steady window's."""
+    short = [a for a in arrivals if a.at < WARMUP_S]
+    outcome = asyncio.run(simulate("goodput_routed", REPLICAS, short, WARMUP_S, 2.0, 0.02,
+                                   seed=1))
+    assert outcome.switches > 0 and outcome.steady_switches == 0
+    full = asyncio.run(simulate("goodput_routed", REPLICAS, arrivals, DURATION_S, 2.0, 0.02,
+                                seed=1))
+    assert 0 < full.steady_switches < full.switches
+    summary = summarise(full, REPLICAS)
+    assert summary["steady_switches_per_replica_hour"] == pytest.approx(
+        full.steady_switches / (REPLICAS * (DURATION_S - WARMUP_S) / 3600))
 
 
 def test_a_larger_switch_margin_switches_less(arrivals):
