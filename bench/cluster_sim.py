@@ -20,7 +20,7 @@ and comes mostly from one tenant. Modes:
 |---|---|---|---|---|
 | static1..static15 | static K | - | no | power of two choices (Ray Serve's default) |
 | batch_table | vLLM's table | local batch | no | power of two choices |
-| ema | SGLang's EMA | - | no | power of two choices |
+| ema | SGLang's EMA | local batch | no | power of two choices |
 | goodput_local | goodput | local batch | no | power of two choices |
 | goodput_cluster | goodput | effective (cluster) | yes | power of two choices |
 | goodput_routed | goodput | effective (cluster) | yes | class-gathering (`rank_replicas`) |
@@ -250,8 +250,8 @@ def policy_for(mode: str, switch_margin: float | None = None) -> dict[str, Any]:
             config["switch_margin"] = switch_margin
         return config
     config = replay_policy_config(mode, PRESET)
-    if mode == "batch_table":
-        config["concurrency_source"] = "local"  # vLLM's semantics
+    if mode in ("batch_table", "ema"):
+        config["concurrency_source"] = "local"  # the engine's batch, as vLLM and SGLang do
     return config
 
 
@@ -477,6 +477,7 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
             base, ema = run["modes"]["goodput_routed"], run["modes"]["ema"]
             for margin, r in {f"{default} (default)": base, **run["margins"]}.items():
                 rows.append([n, margin, f"{r['goodput'] / base['goodput']:.3f}",
+                             f"{r['throughput'] / base['throughput']:.3f}",
                              f"{r['slo_attainment']:.1%}",
                              f"{r['switches_per_replica_hour']:.0f}",
                              f"{r['steady_switches_per_replica_hour']:.0f}",
@@ -484,7 +485,8 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
                              f"{switch_ratio(ema, r, 'steady_'):.1f}x"])
         parts.append(print_table(
             "FEWER SWITCHES FOR A LARGER SWITCH MARGIN (goodput_routed, first seed)",
-            ["replicas", "switch margin", "goodput / default's", "SLO met",
+            ["replicas", "switch margin", "goodput / default's", "throughput / default's",
+             "SLO met",
              "switches / replica-hour", "steady switches / replica-hour",
              "ema switches / these", "the same, steady window"], rows))
     shares = next(iter(runs.values()))["token_shares"]
