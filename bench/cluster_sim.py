@@ -486,8 +486,7 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
         parts.append(print_table(
             "FEWER SWITCHES FOR A LARGER SWITCH MARGIN (goodput_routed, first seed)",
             ["replicas", "switch margin", "goodput / default's", "throughput / default's",
-             "SLO met",
-             "switches / replica-hour", "steady switches / replica-hour",
+             "SLO met", "switches / replica-hour", "steady switches / replica-hour",
              "ema switches / these", "the same, steady window"], rows))
     shares = next(iter(runs.values()))["token_shares"]
     bounds = {b: gathering_bound(PRESETS[PRESET], shares, b) for b in (16, 32, 64)}
