@@ -224,6 +224,7 @@ class OracleK:
     it will run and the true step cost (see `ORACLE`); no margin, no dwell."""
 
     name = ORACLE
+    reads_requests = False
 
     def __init__(self, engine: SimulatedEngine, candidates: tuple[int, ...]):
         self.engine = engine

@@ -15,5 +15,8 @@ class Policy(Protocol):
     """
 
     name: str
+    reads_requests: bool
+    """Whether `decide` reads `Signals.requests`; engines build those per-request windows
+    only for policies that do (a batch's windows at every decision are not free)."""
 
     def decide(self, signals: Signals) -> Decision: ...

@@ -55,6 +55,7 @@ def lookup(rows: list[tuple[int, int, int]], batch: int) -> int:
 
 class BatchTablePolicy:
     name = "batch_table"
+    reads_requests = False
 
     def __init__(self, config: BatchTableConfig, candidates: tuple[int, ...]):
         self.config = config

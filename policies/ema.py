@@ -132,6 +132,7 @@ class EmaSlot:
 
 class EmaPolicy:
     name = "ema"
+    reads_requests = False
 
     def __init__(self, config: EmaConfig, candidates: tuple[int, ...]):
         self.config = config

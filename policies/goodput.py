@@ -42,8 +42,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Literal, TypeVar
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.signals import Decision, RequestAcceptance, Signals, StepCost
@@ -283,39 +285,41 @@ def steady_lengths(requests: tuple[RequestAcceptance, ...], landing: list[float]
     steps towards a guess: `landing[k]` (the replica's per-sequence-step rate) at the first
     position, else the request's previous position times the replica's conditional rate
     there (which also extends the request past the deepest position it drafted).
+
+    Vectorised over requests: a decision sees a whole batch's windows (64 x 30 outcomes), and
+    the cluster simulation makes millions of decisions.
     """
-    kmax = len(landing)
-    total_tokens, weighted_steps = 0.0, dict.fromkeys(ks, 0.0)
-    drafting = False
-    for request in requests:
-        by_depth, by_accepted = [0] * (kmax + 1), [0] * (kmax + 1)
-        tokens = 0
-        for accepted, drafted in zip(request.accepted, request.drafted, strict=True):
-            depth = min(drafted, kmax)
-            by_depth[depth] += 1
-            by_accepted[min(accepted, depth)] += 1
-            tokens += min(accepted, depth) + 1
-        if not tokens:
-            continue
-        drafting = drafting or by_depth[0] < sum(by_depth)
-        cumulative, rate = [1.0], 1.0
-        for k in range(kmax - 1, -1, -1):  # suffix sums: steps that drafted / passed k
-            by_depth[k] += by_depth[k + 1]
-            by_accepted[k] += by_accepted[k + 1]
-        for k in range(kmax):
-            reach, beyond = by_depth[k + 1], by_accepted[k + 1]
-            guess = landing[k] if k == 0 else rate * (
-                min(1.0, landing[k] / landing[k - 1]) if landing[k - 1] > 0 else 0.0)
-            weight = reach + prior_strength
-            own = (beyond + prior_strength * guess) / weight if weight else guess
-            rate = min(own, rate)  # a prefix: more than k accepted implies more than k-1
-            cumulative.append(cumulative[-1] + rate)
-        total_tokens += tokens
-        for k in ks:
-            weighted_steps[k] += tokens / cumulative[min(k, kmax)]
-    if not drafting:
+    requests = tuple(r for r in requests if r.accepted)
+    if not requests:
         return None
-    return {k: total_tokens / steps for k, steps in weighted_steps.items()}
+    kmax = len(landing)
+    owner = np.repeat(np.arange(len(requests)), [len(r.accepted) for r in requests])
+    depth = np.minimum(np.fromiter(chain.from_iterable(r.drafted for r in requests), np.int64,
+                                   len(owner)), kmax)
+    if not depth.any():
+        return None
+    accepted = np.minimum(np.fromiter(chain.from_iterable(r.accepted for r in requests),
+                                      np.int64, len(owner)), depth)
+    tokens = np.bincount(owner, weights=accepted + 1)
+
+    def at_least(values: np.ndarray) -> np.ndarray:
+        """[request, k]: the request's steps whose value is at least k + 1 (k < kmax)."""
+        counts = np.bincount(owner * (kmax + 1) + values, minlength=len(requests) * (kmax + 1))
+        return np.cumsum(counts.reshape(-1, kmax + 1)[:, :0:-1], axis=1)[:, ::-1]
+
+    reach, beyond = at_least(depth), at_least(accepted)  # drafted position k; passed it
+    cumulative = np.ones((len(requests), kmax + 1))
+    rate = np.ones(len(requests))
+    for k in range(kmax):
+        guess = landing[0] if k == 0 else rate * (
+            min(1.0, landing[k] / landing[k - 1]) if landing[k - 1] > 0 else 0.0)
+        weight = reach[:, k] + prior_strength
+        own = np.divide(beyond[:, k] + prior_strength * guess, weight,
+                        out=np.broadcast_to(guess, rate.shape).astype(float), where=weight > 0)
+        rate = np.minimum(own, rate)  # a prefix: more than k accepted implies more than k-1
+        cumulative[:, k + 1] = cumulative[:, k] + rate
+    total = tokens.sum()
+    return {k: float(total / (tokens / cumulative[:, min(k, kmax)]).sum()) for k in ks}
 
 
 def _extrapolate(rates: list[float]) -> float:
@@ -333,6 +337,7 @@ def _extrapolate(rates: list[float]) -> float:
 
 class GoodputPolicy:
     name = "goodput"
+    reads_requests = True
 
     def __init__(self, config: GoodputConfig, candidates: tuple[int, ...]):
         self.config = config

@@ -69,6 +69,7 @@ def request_length(request: RequestAcceptance, config: StabilityConfig) -> int |
 
 class StabilityPolicy:
     name = "stability"
+    reads_requests = True
 
     def __init__(self, config: StabilityConfig, candidates: tuple[int, ...]):
         self.config = config

@@ -19,6 +19,7 @@ class StaticConfig(BaseModel):
 
 class StaticPolicy:
     name = "static"
+    reads_requests = False
 
     def __init__(self, config: StaticConfig, candidates: tuple[int, ...]):
         self.k = snap_down(config.k, candidates)

@@ -57,14 +57,15 @@ class LoopStats:
 class ControlLoop:
     def __init__(self, engine: Engine, pool: TierPool, policy: Policy,
                  decide_every_steps: int = 4,
-                 request_acceptance: Callable[[], tuple[RequestAcceptance, ...]] | None = None,
                  max_batch: int | None = None,
                  class_prior: Callable[[], tuple[float, ...]] | None = None):
         self.engine = engine
         self.pool = pool
         self.policy = policy
         self.decide_every_steps = decide_every_steps
-        self._request_acceptance = request_acceptance
+        # Per-request outcomes, from engines that can attribute acceptance (see `Engine`).
+        self._request_acceptance: Callable[[], tuple[RequestAcceptance, ...]] | None = \
+            getattr(engine, "request_acceptance", None)
         self.max_batch = max_batch
         self._class_prior = class_prior
         self._pending: list[StepRecord] = []
@@ -81,7 +82,8 @@ class ControlLoop:
         self._pending.extend(steps)
         if len(self._pending) < self.decide_every_steps:
             return steps, None, None
-        requests = self._request_acceptance() if self._request_acceptance else ()
+        requests = self._request_acceptance() if self._request_acceptance and \
+            self.policy.reads_requests else ()
         class_prior = self._class_prior() if self._class_prior else ()
         signals = fold_steps(self._pending, self.pool.candidates, self.pool.active_k,
                              cluster, requests, time.monotonic(), self.max_batch, class_prior)

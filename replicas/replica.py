@@ -59,9 +59,7 @@ class EngineReplica:
         self.pool = TierPool(self.engine, candidates, initial_k)
         await self.pool.apply_initial()
         self.loop = ControlLoop(self.engine, self.pool, build_policy(policy, self.pool.candidates),
-                                decide_every_steps,
-                                getattr(self.engine, "request_acceptance", None),
-                                max_batch=spec.max_num_seqs,
+                                decide_every_steps, max_batch=spec.max_num_seqs,
                                 class_prior=self._class_prior)
         self.policy_config = parse_policy_config(policy).model_dump()
         tracing.configure_tracing("specserve-replica")

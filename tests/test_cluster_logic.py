@@ -159,6 +159,28 @@ def test_simulator_outputs_do_not_depend_on_k_and_control_loop_switches():
     assert len(outputs[0]) == 40 and outputs[0] == outputs[1] == outputs[2]
 
 
+
+@pytest.mark.parametrize(("policy", "sees_requests"),
+                         [({"name": "goodput"}, True), ({"name": "stability"}, True),
+                          ({"name": "ema"}, False), ({"name": "static", "k": 3}, False)])
+def test_control_loop_hands_request_windows_to_the_policies_that_read_them(policy,
+                                                                          sees_requests):
+    """The engine's per-request outcomes reach goodput and stability (as on a vLLM replica);
+    the loop does not build them for policies that never look."""
+    engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, max_num_seqs=4)
+    for i in range(4):
+        engine.submit(GenerationRequest(f"r{i}", prompt="a b c", max_tokens=200))
+    pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=3)
+    asyncio.run(pool.apply_initial())
+    loop = ControlLoop(engine, pool, build_policy(policy, pool.candidates))
+    engine.admit()
+    for _ in range(loop.decide_every_steps):
+        engine.step()
+    asyncio.run(loop.tick())
+    requests = loop.stats.last_signals.requests
+    assert len(requests) == (4 if sees_requests else 0)
+    assert all(len(r.drafted) == loop.decide_every_steps for r in requests)
+
 def test_hub_keeps_the_newest_fleet_wide_change_whatever_the_arrival_order():
     hub = ClusterState()
     newer = {"policy": {"name": "static", "k": 7}, "issued_at": 20.0}

@@ -19,7 +19,7 @@ from bench.cluster_sim import (
 )
 from bench.policy_replay import CANDIDATES
 from policies.signals import Signals
-from replicas.engines.base import GenerationRequest
+from replicas.engines.base import REQUEST_WINDOW, GenerationRequest
 from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS
 
@@ -150,3 +150,34 @@ def test_engine_batch_slots_serve_every_token_and_count_drafts_per_class():
     assert copy_landed[0] / copy_drafted[0] > 0.95 > 0.7 > chat_landed[0] / chat_drafted[0] > 0.25
     assert chat_landed[0] >= chat_landed[1] >= chat_landed[2], "a draft lands after its prefix"
     assert engine.take_class_drafts() == {}  # counted once
+
+
+def test_engine_reports_each_running_requests_last_verify_outcomes():
+    """Per-request windows, as vLLM's engine reports them: each step adds one outcome per
+    running request (the drafts it accepted, at the K in force), at most REQUEST_WINDOW are
+    kept, and a request that left takes its window with it (its slot starts a new one)."""
+    engine = SimulatedEngine(PRESETS[PRESET], kmax=15, max_num_seqs=3)
+    for i in range(3):  # long enough to outlast the test
+        engine.submit(GenerationRequest(request_id=f"r{i}", prompt="sim", max_tokens=800,
+                                        request_class="low_1"))
+    engine.admit()
+    records = []
+    for step in range(REQUEST_WINDOW + 5):
+        engine.k = (0, 1, 3, 7)[step % 4]
+        engine.step()
+        records += engine.drain_steps()
+    windows = {w.request_id: w for w in engine.request_acceptance()}
+    assert len(windows) == 3
+    for window in windows.values():
+        assert window.drafted == tuple(r.k for r in records[-REQUEST_WINDOW:])
+        assert all(a <= d for a, d in zip(window.accepted, window.drafted, strict=True))
+    for step, record in enumerate(records[-REQUEST_WINDOW:]):
+        assert sum(w.accepted[step] for w in windows.values()) == record.accepted_tokens
+    asyncio.run(engine.abort("r0"))
+    engine.submit(GenerationRequest(request_id="new", prompt="sim", max_tokens=64,
+                                    request_class="high_2"))
+    engine.admit()
+    engine.step()
+    windows = {w.request_id: w for w in engine.request_acceptance()}
+    assert set(windows) == {"r1", "r2", "new"}
+    assert len(windows["new"].accepted) == 1 and len(windows["r1"].accepted) == REQUEST_WINDOW

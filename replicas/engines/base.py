@@ -61,6 +61,10 @@ class StepRecord:
     generated_tokens: int = 0
 
 
+# Verify outcomes an engine keeps per running request (`request_acceptance`); DSDE uses 30.
+REQUEST_WINDOW = 30
+
+
 @dataclass
 class EngineCounters:
     """Cumulative counters since the engine started (what metrics export)."""
@@ -109,6 +113,8 @@ class Engine(Protocol):
     `kmax` is the largest K the engine was built for; `set_k` takes any K in [0, kmax] and
     applies it from the next scheduled step on. Stats come two ways: `drain_steps()` returns
     the per-step records since the last call (for the control loop), `counters()` the totals.
+    An engine that can attribute acceptance to requests also has `request_acceptance()`: each
+    running request's last `REQUEST_WINDOW` verify outcomes (`policies.signals.RequestAcceptance`).
     """
 
     name: str

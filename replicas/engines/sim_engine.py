@@ -23,7 +23,9 @@ from itertools import chain, islice
 
 import numpy as np
 
+from policies.signals import RequestAcceptance
 from replicas.engines.base import (
+    REQUEST_WINDOW,
     EngineCounters,
     EngineInputError,
     GenerationChunk,
@@ -81,6 +83,11 @@ class SimulatedEngine:
         self._left = np.zeros(max_num_seqs, np.int64)  # tokens still to generate
         self._slot_class = np.zeros(max_num_seqs, np.int64)  # index into the table
         self._streams: dict[int, _SimRequest] = {}  # by slot
+        # Each slot's last REQUEST_WINDOW verify outcomes, a ring: step n writes column
+        # n % REQUEST_WINDOW. `_window_len`: how many belong to the request now in the slot.
+        self._window = np.zeros((2, max_num_seqs, REQUEST_WINDOW), np.int64)  # accepted, drafted
+        self._window_len = np.zeros(max_num_seqs, np.int64)
+        self._steps = 0
         # Per class and draft position: (sequence-steps that landed it, that drafted it).
         self._class_drafts = np.zeros((2, len(self._table.classes), kmax), np.int64)
         self._records: list[StepRecord] = []
@@ -175,6 +182,7 @@ class SimulatedEngine:
         self._slots[slot] = None
         self._active[slot] = False
         self._left[slot] = 0
+        self._window_len[slot] = 0
         self._streams.pop(slot, None)
         self._free_slots.append(slot)
 
@@ -185,6 +193,16 @@ class SimulatedEngine:
                   in zip(self._table.classes, *self._class_drafts, strict=True) if drafted[0]}
         self._class_drafts[:] = 0
         return counts
+
+    def request_acceptance(self) -> tuple[RequestAcceptance, ...]:
+        """Each running request's recent verify outcomes, as vLLM's engine reports them."""
+        slots = np.flatnonzero(self._window_len)
+        oldest_first = (self._steps + np.arange(REQUEST_WINDOW)) % REQUEST_WINDOW
+        accepted, drafted = self._window[:, slots][:, :, oldest_first].tolist()
+        return tuple(
+            RequestAcceptance(self._slots[slot].request.request_id, tuple(a[-n:]), tuple(d[-n:]))
+            for slot, n, a, d in zip(slots.tolist(), self._window_len[slots].tolist(), accepted,
+                                     drafted, strict=True))
 
     def next_batch_acceptance(self) -> Counter[Acceptance]:
         """The acceptance models of the requests the next step will run (how many of each).
@@ -230,6 +248,10 @@ class SimulatedEngine:
         self._left -= tokens
         finished = active & (self._left == 0)
         ran = runs[active]
+        column = self._steps % REQUEST_WINDOW
+        self._window[0, :, column], self._window[1, :, column] = runs, k
+        self._window_len[active] = np.minimum(self._window_len[active] + 1, REQUEST_WINDOW)
+        self._steps += 1
         accepted_pos = [0] * self.kmax
         if k:
             width = len(self._table.classes)

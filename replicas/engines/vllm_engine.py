@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from policies.signals import RequestAcceptance
 from replicas.engines.base import (
+    REQUEST_WINDOW,
     EngineCounters,
     EngineInputError,
     GenerationChunk,
@@ -35,8 +36,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Per-request acceptance windows kept for the stability policy (DSDE uses N=30).
-REQUEST_WINDOW = 30
 # A gap longer than this between two busy steps is idle time, not a step.
 MAX_STEP_GAP_S = 5.0
 
