@@ -14,8 +14,13 @@ Differences, said plainly:
   share* of a request (1 - accepted / drafted): low when drafts land, high when they miss.
 - vLLM cannot give each request its own K, so only the batch cap is applied: it becomes the
   replica's K, snapped to the nearest candidate not above it.
+- A run that accepted every draft it was offered is cut off by the depth, not by the request:
+  the request might have accepted more. Such a request's SLmax is the next tier up, so the
+  policy can climb (with the longest run alone as SLmax, K could only ever fall).
 - DSDE never turns speculation off; ours does when the batch's mean acceptance rate over the
-  window falls below `off_below` (drafts that rarely land are pure cost).
+  window falls below `off_below` (drafts that rarely land are pure cost). At K=0 nothing is
+  measured, so after `probe_interval_steps` there the policy runs the smallest positive tier
+  again to see whether drafts land now.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class StabilityConfig(BaseModel):
     temperature: float = Field(1.0, gt=0)
     """T in the scale factor (DSDE uses the sampling temperature; 1.0 for greedy traffic)."""
     off_below: float = Field(0.05, ge=0, le=1)
+    probe_interval_steps: int = Field(256, ge=1)
+    """Engine steps at K=0 before measuring the smallest positive tier again."""
 
 
 def weighted_variance(values: list[float], weight: float) -> float:
@@ -48,8 +55,10 @@ def weighted_variance(values: list[float], weight: float) -> float:
     return sum(w * (v - mean) ** 2 for w, v in zip(weights, values, strict=True)) / total
 
 
-def request_length(request: RequestAcceptance, config: StabilityConfig) -> int | None:
-    """DSDE's per-sequence speculation length, or None without enough history."""
+def request_length(request: RequestAcceptance, config: StabilityConfig,
+                   next_tier: int) -> int | None:
+    """DSDE's per-sequence speculation length, or None without enough history; `next_tier`
+    is SLmax for a request whose window holds a run cut off by its depth."""
     pairs = [(a, d) for a, d in zip(request.accepted, request.drafted, strict=True) if d > 0]
     pairs = pairs[-config.window:]
     if len(pairs) < 3:
@@ -61,6 +70,8 @@ def request_length(request: RequestAcceptance, config: StabilityConfig) -> int |
     wvir = 20.0 if long_var < 1e-6 else weighted_variance(recent, config.weight) / long_var
     scale = math.exp(2 * (sum(recent) / len(recent)) / config.temperature) - 1
     sl_max = max(1, max(a for a, _ in pairs))
+    if any(a >= d for a, d in pairs):
+        sl_max = max(sl_max, next_tier)
     sl_min = math.ceil(0.1 * sl_max)
     if wvir * scale <= 1:
         return math.ceil((sl_max - sl_min) * (1 - wvir * scale) + sl_min)
@@ -74,16 +85,28 @@ class StabilityPolicy:
     def __init__(self, config: StabilityConfig, candidates: tuple[int, ...]):
         self.config = config
         self.candidates = candidates
+        self._steps_off = 0  # engine steps at K=0 since the last probe
 
     def decide(self, signals: Signals) -> Decision:
-        lengths = [n for r in signals.requests if (n := request_length(r, self.config))]
+        current = signals.current_k
+        if current == 0:
+            self._steps_off += signals.steps
+            positive = [k for k in self.candidates if k > 0]
+            if positive and self._steps_off >= self.config.probe_interval_steps:
+                self._steps_off = 0
+                return Decision(positive[0], "probe: do drafts land again?")
+        else:
+            self._steps_off = 0
+        next_tier = min((k for k in self.candidates if k > current), default=current)
+        lengths = [n for r in signals.requests
+                   if (n := request_length(r, self.config, next_tier))]
         drafted = sum(sum(r.drafted) for r in signals.requests)
         accepted = sum(sum(r.accepted) for r in signals.requests)
         if drafted and accepted / drafted < self.config.off_below:
             return Decision(snap_down(0, self.candidates), "acceptance below the floor",
                             {"acceptance": accepted / drafted})
         if not lengths:
-            return Decision(signals.current_k, "no request history yet")
+            return Decision(current, "no request history yet")
         cap = math.ceil(sum(lengths) / len(lengths))
         return Decision(snap_down(cap, self.candidates), f"batch cap {cap}",
                         {"cap": float(cap), "requests": float(len(lengths))})

@@ -324,18 +324,38 @@ def test_stability_caps_long_on_steady_acceptance_and_short_on_erratic():
     config = StabilityConfig()
     steady = RequestAcceptance("a", accepted=(7,) * 30, drafted=(7,) * 30)
     erratic = RequestAcceptance("b", accepted=(7, 0) * 15, drafted=(7,) * 30)
-    assert request_length(steady, config) == 7
-    assert request_length(erratic, config) < 7
+    assert request_length(steady, config, next_tier=7) == 7
+    assert request_length(erratic, config, next_tier=7) < 7
     policy = StabilityPolicy(config, CANDIDATES)
     base = window(7, 1.0, batch=1)
-    assert policy.decide(Signals(**{**base.__dict__, "requests": (steady,)})).k == 7
+    assert policy.decide(Signals(**{**base.__dict__, "requests": (erratic,)})).k < 7
 
 
-def test_stability_turns_speculation_off_when_nothing_lands():
+def test_stability_climbs_when_runs_are_cut_off_by_the_depth():
+    """A request that accepts every draft at K=3 might accept more: the policy moves up a tier
+    at a time (with the longest run as the ceiling it could never leave K=3); one that stops
+    at two of three stays below."""
     policy = StabilityPolicy(StabilityConfig(), CANDIDATES)
+    k = 3
+    for _ in range(3):
+        full = RequestAcceptance("a", accepted=(k,) * 30, drafted=(k,) * 30)
+        k = policy.decide(Signals(**{**window(k, 1.0, batch=1).__dict__, "requests": (full,)})).k
+    assert k == 15
+    short = RequestAcceptance("b", accepted=(2,) * 30, drafted=(3,) * 30)
+    assert policy.decide(Signals(**{**window(3, 0.6, batch=1).__dict__,
+                                    "requests": (short,)})).k == 1
+
+
+def test_stability_turns_speculation_off_when_nothing_lands_and_looks_again_later():
+    config = StabilityConfig(probe_interval_steps=64)
+    policy = StabilityPolicy(config, CANDIDATES)
     dead = RequestAcceptance("a", accepted=(0,) * 30, drafted=(7,) * 30)
     base = window(7, 0.0, batch=1)
     assert policy.decide(Signals(**{**base.__dict__, "requests": (dead,)})).k == 0
+    idle = RequestAcceptance("a", accepted=(0,) * 30, drafted=(0,) * 30)
+    off = Signals(**{**window(0, 0.0, batch=1, steps=16).__dict__, "requests": (idle,)})
+    decisions = [policy.decide(off).k for _ in range(4)]
+    assert decisions == [0, 0, 0, 1], "after 64 steps at K=0 it measures the smallest tier"
 
 
 # ---- every policy -------------------------------------------------------------------------
