@@ -24,13 +24,14 @@ and comes mostly from one tenant. Modes:
 | goodput_local | goodput | local batch | no | power of two choices |
 | goodput_cluster | goodput | effective (cluster) | yes | power of two choices |
 | goodput_routed | goodput | effective (cluster) | yes | class-gathering (`rank_replicas`) |
-| oracle_k | exact best K per step (a bound) | exact | - | power of two choices |
+| oracle_k | best K from exact acceptance (a reference) | exact | - | power of two choices |
 
 `oracle_k` is a SIMULATOR-only reference: each decision it knows every queued request's true
-acceptance model and the true step cost, which no engine knows. It bounds what any choice of K
-can give under this load with Ray Serve's routing; the distance from the best local-only policy
-to it is all a cluster view could add to the choice of K (routing can add more: see the
-gathering bound).
+acceptance model and the true step cost, which no engine knows, and scores K as `goodput` does
+(the batch's steady state), without margin or dwell. It is not a strict bound (it decides per
+step, blind to the queue's future), but it shows what exact acceptance adds to the choice of K
+under this load with Ray Serve's routing: about what a cluster view could add to it (routing
+can add more: see the gathering bound).
 
 Reported per mode: goodput (tokens of the requests that met the latency SLO, per second of
 arrivals; the run drains, so a request counts wherever it finishes), the share of requests that
@@ -220,8 +221,12 @@ class ModeOutcome:
 
 
 class OracleK:
-    """The K that maximises the next step's tokens/s, from the true acceptance of each request
-    it will run and the true step cost (see `ORACLE`); no margin, no dwell."""
+    """The K that maximises tokens/s, from the true acceptance of each request the next step
+    will run and the true step cost (see `ORACLE`); no margin, no dwell. Tokens per step are
+    the batch's steady state at K, as `policies.goodput.steady_lengths` estimates it: each
+    class keeps its share of the tokens (its share now, at the current K), so the batch makes
+    1 / sum_c (w_c / L_c(K)) tokens per sequence-step. The batch as it is now would overstate
+    a deep K for a mix: its copy-like requests leave sooner and the others take their slots."""
 
     name = ORACLE
     reads_requests = False
@@ -236,9 +241,14 @@ class OracleK:
         if not size:
             return Decision(signals.current_k, "idle")
 
+        now = {acceptance: n * (1 + acceptance.mean_run(signals.current_k))
+               for acceptance, n in batch.items()}
+        total = sum(now.values())
+
         def tokens_per_second(k: int) -> float:
-            tokens = sum(n * (1 + acceptance.mean_run(k)) for acceptance, n in batch.items())
-            return tokens / self.engine.preset.step_seconds(size, k)
+            per_sequence_step = total / sum(tokens / (1 + acceptance.mean_run(k))
+                                            for acceptance, tokens in now.items())
+            return size * per_sequence_step / self.engine.preset.step_seconds(size, k)
 
         return Decision(max(self.candidates, key=tokens_per_second), "oracle")
 

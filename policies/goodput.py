@@ -308,14 +308,17 @@ def steady_lengths(requests: tuple[RequestAcceptance, ...], landing: list[float]
         return np.cumsum(counts.reshape(-1, kmax + 1)[:, :0:-1], axis=1)[:, ::-1]
 
     reach, beyond = at_least(depth), at_least(accepted)  # drafted position k; passed it
+    weight = reach + prior_strength
+    unweighted = weight == 0  # only without a prior: no evidence, the guess stands
+    weight[unweighted] = 1
     cumulative = np.ones((len(requests), kmax + 1))
     rate = np.ones(len(requests))
     for k in range(kmax):
         guess = landing[0] if k == 0 else rate * (
             min(1.0, landing[k] / landing[k - 1]) if landing[k - 1] > 0 else 0.0)
-        weight = reach[:, k] + prior_strength
-        own = np.divide(beyond[:, k] + prior_strength * guess, weight,
-                        out=np.broadcast_to(guess, rate.shape).astype(float), where=weight > 0)
+        own = (beyond[:, k] + prior_strength * guess) / weight[:, k]
+        if prior_strength == 0:
+            own = np.where(unweighted[:, k], guess, own)
         rate = np.minimum(own, rate)  # a prefix: more than k accepted implies more than k-1
         cumulative[:, k + 1] = cumulative[:, k] + rate
     total = tokens.sum()

@@ -120,6 +120,18 @@ def test_oracle_picks_the_true_best_k(request_class, requests, expected_k):
     assert oracle.decide(signals).k == max(rate, key=rate.get) == expected_k
 
 
+
+def test_oracle_scores_a_mixed_batch_by_its_steady_state():
+    """Half copy-like, half chat-like at batch 16: the batch as it is would run K=15, but
+    there the copy-like requests leave 4x sooner and chat-like ones fill the batch; the batch's
+    steady state, with each class keeping its share of the tokens, is best at K=3."""
+    engine = _engine_with("high_2", 8)
+    for i in range(8):
+        engine.submit(GenerationRequest(request_id=f"c{i}", prompt="sim", max_tokens=64,
+                                        request_class="low_1"))
+    signals = Signals(candidates=CANDIDATES, current_k=3, steps=1, running=0, waiting=16)
+    assert OracleK(engine, CANDIDATES).decide(signals).k == 3
+
 def test_engine_batch_slots_serve_every_token_and_count_drafts_per_class():
     """The engine runs its batch as arrays: every request gets exactly its tokens, a slot an
     abort frees goes to a waiting request, and drafts are counted per class and position."""

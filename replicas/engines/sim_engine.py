@@ -84,7 +84,8 @@ class SimulatedEngine:
         self._slot_class = np.zeros(max_num_seqs, np.int64)  # index into the table
         self._streams: dict[int, _SimRequest] = {}  # by slot
         # Each slot's last REQUEST_WINDOW verify outcomes, a ring: step n writes column
-        # n % REQUEST_WINDOW. `_window_len`: how many belong to the request now in the slot.
+        # n % REQUEST_WINDOW. `_window_len`: steps run by the request now in the slot (the
+        # window holds the last REQUEST_WINDOW of them).
         self._window = np.zeros((2, max_num_seqs, REQUEST_WINDOW), np.int64)  # accepted, drafted
         self._window_len = np.zeros(max_num_seqs, np.int64)
         self._steps = 0
@@ -199,10 +200,10 @@ class SimulatedEngine:
         slots = np.flatnonzero(self._window_len)
         oldest_first = (self._steps + np.arange(REQUEST_WINDOW)) % REQUEST_WINDOW
         accepted, drafted = self._window[:, slots][:, :, oldest_first].tolist()
+        kept = np.minimum(self._window_len[slots], REQUEST_WINDOW).tolist()
         return tuple(
             RequestAcceptance(self._slots[slot].request.request_id, tuple(a[-n:]), tuple(d[-n:]))
-            for slot, n, a, d in zip(slots.tolist(), self._window_len[slots].tolist(), accepted,
-                                     drafted, strict=True))
+            for slot, n, a, d in zip(slots.tolist(), kept, accepted, drafted, strict=True))
 
     def next_batch_acceptance(self) -> Counter[Acceptance]:
         """The acceptance models of the requests the next step will run (how many of each).
@@ -250,7 +251,7 @@ class SimulatedEngine:
         ran = runs[active]
         column = self._steps % REQUEST_WINDOW
         self._window[0, :, column], self._window[1, :, column] = runs, k
-        self._window_len[active] = np.minimum(self._window_len[active] + 1, REQUEST_WINDOW)
+        self._window_len += active
         self._steps += 1
         accepted_pos = [0] * self.kmax
         if k:
