@@ -62,7 +62,7 @@ from app.telemetry_hub import ClusterState
 from bench.policy_replay import CANDIDATES
 from bench.policy_replay import policy_config as replay_policy_config
 from bench.report import print_table
-from policies.class_acceptance import ClassAcceptance, Rates
+from policies.class_acceptance import ClassAcceptance, Rates, class_counts
 from policies.goodput import GoodputConfig
 from policies.registry import build_policy
 from policies.signals import ClusterView, Decision, Signals
@@ -75,8 +75,6 @@ from replicas.tier_pool import TierPool
 PRESET = "h20-llama8b-ngram"
 # Request classes and the preset acceptance they draw from (see sim_presets).
 CLASSES = {"copy": "high_2", "code": "low_2", "chat": "low_1"}
-REQUEST_CLASS = {PRESETS[PRESET].acceptance[name]: request_class
-                 for request_class, name in CLASSES.items()}
 STATIC = ("static1", "static3", "static7", "static15")
 LOCAL = ("batch_table", "ema", "goodput_local")
 CLUSTER = ("goodput_cluster", "goodput_routed")
@@ -184,8 +182,11 @@ class SimReplica:
                  "class_acceptance": dict(self.classes.own)}
         self.window_accepted = [0] * max(CANDIDATES)
         self.window_drafted = [0] * max(CANDIDATES)
-        self.classes.observe({REQUEST_CLASS[acceptance]: counts for acceptance, counts
-                              in self.engine.take_class_drafts().items()})
+        # As the replica deployment: from its running requests' recent verify outcomes.
+        self.classes.observe(class_counts(
+            self.engine.request_acceptance(),
+            {rid: tracked.arrival.request_class for rid, tracked in self.in_flight.items()},
+            self.engine.kmax))
         return stats
 
 

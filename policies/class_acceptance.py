@@ -17,11 +17,37 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
+
+from policies.outcomes import flatten, reaching
+from policies.signals import RequestAcceptance
+
 Rates = tuple[float, ...]
 """p[k] per draft position, over the positions that were measured (a prefix: a draft reaches
 position k only through the positions before it)."""
 WEIGHT_NEW = 0.3
 """Weight of a telemetry period's fresh rate in the decayed one (about the last 3 periods)."""
+DEFAULT_CLASS = "default"
+"""The class of a request that entered without one."""
+
+
+def class_counts(windows: Sequence[RequestAcceptance], class_of: Mapping[str, str],
+                 width: int) -> dict[str, tuple[list[int], list[int]]]:
+    """Per request class that drafted, per position: (steps that landed it, steps that
+    drafted it), from the running requests' recent verify outcomes (`class_of`: request id ->
+    class). Windows overlap from one telemetry period to the next, so these make a rate, not a
+    count to add up."""
+    windows = [w for w in windows if w.accepted]
+    if not windows:
+        return {}
+    names = sorted({class_of.get(w.request_id, DEFAULT_CLASS) for w in windows})
+    index = {name: i for i, name in enumerate(names)}
+    owner, depth, accepted = flatten(windows, width)
+    group = np.array([index[class_of.get(w.request_id, DEFAULT_CLASS)] for w in windows])[owner]
+    drafted = reaching(group, depth, len(names), width)
+    landed = reaching(group, accepted, len(names), width)
+    return {name: (landed[i].tolist(), drafted[i].tolist()) for i, name in enumerate(names)
+            if drafted[i, 0]}
 
 
 def rates_from_counts(accepted: Sequence[float], drafted: Sequence[float]) -> Rates:

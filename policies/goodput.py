@@ -42,12 +42,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import chain
 from typing import Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from policies.outcomes import flatten, reaching
 from policies.signals import Decision, RequestAcceptance, Signals, StepCost
 
 P = TypeVar("P")  # the point type of a cost table (see _predict_row)
@@ -286,28 +286,19 @@ def steady_lengths(requests: tuple[RequestAcceptance, ...], landing: list[float]
     position, else the request's previous position times the replica's conditional rate
     there (which also extends the request past the deepest position it drafted).
 
-    Vectorised over requests: a decision sees a whole batch's windows (64 x 30 outcomes), and
-    the cluster simulation makes millions of decisions.
+    Vectorised over requests (see `policies.outcomes`).
     """
     requests = tuple(r for r in requests if r.accepted)
     if not requests:
         return None
     kmax = len(landing)
-    owner = np.repeat(np.arange(len(requests)), [len(r.accepted) for r in requests])
-    depth = np.minimum(np.fromiter(chain.from_iterable(r.drafted for r in requests), np.int64,
-                                   len(owner)), kmax)
+    owner, depth, accepted = flatten(requests, kmax)
     if not depth.any():
         return None
-    accepted = np.minimum(np.fromiter(chain.from_iterable(r.accepted for r in requests),
-                                      np.int64, len(owner)), depth)
     tokens = np.bincount(owner, weights=accepted + 1)
-
-    def at_least(values: np.ndarray) -> np.ndarray:
-        """[request, k]: the request's steps whose value is at least k + 1 (k < kmax)."""
-        counts = np.bincount(owner * (kmax + 1) + values, minlength=len(requests) * (kmax + 1))
-        return np.cumsum(counts.reshape(-1, kmax + 1)[:, :0:-1], axis=1)[:, ::-1]
-
-    reach, beyond = at_least(depth), at_least(accepted)  # drafted position k; passed it
+    # Per request and position k: steps that drafted k; steps that landed it.
+    reach = reaching(owner, depth, len(requests), kmax)
+    beyond = reaching(owner, accepted, len(requests), kmax)
     weight = reach + prior_strength
     unweighted = weight == 0  # only without a prior: no evidence, the guess stands
     weight[unweighted] = 1

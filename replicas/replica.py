@@ -21,7 +21,7 @@ from ray import serve
 
 from observability import tracing
 from observability.metrics import ReplicaMetrics
-from policies.class_acceptance import ClassAcceptance, Rates
+from policies.class_acceptance import DEFAULT_CLASS, ClassAcceptance, Rates, class_counts
 from policies.registry import build_policy, parse_policy_config
 from policies.signals import ClusterView, Decision
 from replicas.control_loop import ControlLoop
@@ -95,7 +95,7 @@ class EngineReplica:
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request: yields {"text", "token_ids", ...} chunks, or one {"error"}."""
         self.ongoing += 1
-        source = (payload.get("router_id"), payload.get("request_class", "default"))
+        source = (payload.get("router_id"), payload.get("request_class", DEFAULT_CLASS))
         self._ongoing_by_router[source] += 1
         self._request_class[payload["request_id"]] = source[1]
         span = tracing.start_replica_span(
@@ -115,7 +115,7 @@ class EngineReplica:
                 top_p=payload["top_p"], seed=payload.get("seed"),
                 stop=tuple(payload.get("stop") or ()), logprobs=payload.get("logprobs"),
                 ignore_eos=payload.get("ignore_eos", False),
-                request_class=payload.get("request_class", "default"))
+                request_class=payload.get("request_class", DEFAULT_CLASS))
             async for chunk in self.engine.generate(request):
                 prompt_tokens, completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
                 yield {"text": chunk.text, "token_ids": list(chunk.token_ids),
@@ -289,19 +289,11 @@ class EngineReplica:
 
     def _update_class_acceptance(self) -> None:
         """Per request class, decayed per-position acceptance from the running requests'
-        recent verify outcomes (windows that overlap from one period to the next: a rate, not
-        a count, is what carries over)."""
+        recent verify outcomes."""
         provider = getattr(self.engine, "request_acceptance", None)
-        width = self.engine.kmax
-        counts: dict[str, tuple[list[int], list[int]]] = {}
-        for window in provider() if provider else ():
-            request_class = self._request_class.get(window.request_id, "default")
-            landed, offered = counts.setdefault(request_class, ([0] * width, [0] * width))
-            for accepted, drafted in zip(window.accepted, window.drafted, strict=True):
-                for k in range(min(drafted, width)):  # position k drafted; landed if k < accepted
-                    offered[k] += 1
-                    landed[k] += k < accepted
-        self._classes.observe(counts)
+        if provider is not None:
+            self._classes.observe(class_counts(provider(), self._request_class,
+                                               self.engine.kmax))
 
     def _class_prior(self) -> Rates:
         """What the classes of the requests on this replica showed before."""

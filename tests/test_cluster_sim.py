@@ -18,6 +18,7 @@ from bench.cluster_sim import (
     workload,
 )
 from bench.policy_replay import CANDIDATES
+from policies.class_acceptance import class_counts
 from policies.signals import Signals
 from replicas.engines.base import REQUEST_WINDOW, GenerationRequest
 from replicas.engines.sim_engine import SimulatedEngine
@@ -132,9 +133,10 @@ def test_oracle_scores_a_mixed_batch_by_its_steady_state():
     signals = Signals(candidates=CANDIDATES, current_k=3, steps=1, running=0, waiting=16)
     assert OracleK(engine, CANDIDATES).decide(signals).k == 3
 
-def test_engine_batch_slots_serve_every_token_and_count_drafts_per_class():
+def test_engine_batch_slots_serve_every_token_and_classes_land_as_modelled():
     """The engine runs its batch as arrays: every request gets exactly its tokens, a slot an
-    abort frees goes to a waiting request, and drafts are counted per class and position."""
+    abort frees goes to a waiting request, and the per-request windows, counted per class as a
+    replica counts them, show each class's acceptance."""
     engine = SimulatedEngine(PRESETS[PRESET], kmax=15, max_num_seqs=4, seed=3)
     asyncio.run(engine.set_k(3))
     lengths = {f"r{i}": 20 + 7 * i for i in range(8)}
@@ -145,23 +147,23 @@ def test_engine_batch_slots_serve_every_token_and_count_drafts_per_class():
     engine.admit()
     asyncio.run(engine.abort("r0"))  # running: its slot goes to the first waiting request
     assert [e.request.request_id for e in engine.admit()] == ["r4"]
-    finished, steps, generated = {}, 0, 0
+    class_of = {r: "copy" if i % 2 else "chat" for i, r in enumerate(lengths)}
+    finished, generated = {}, 0
+    landed, drafted = Counter(), Counter()
     while len(finished) < len(lengths) - 1:
         engine.admit()
         engine.step()
-        steps += 1
         generated += engine.drain_steps()[-1].generated_tokens
         finished.update((e.request.request_id, e.generated) for e in engine.just_finished)
+        for request_class, (hits, tries) in class_counts(engine.request_acceptance(), class_of,
+                                                         engine.kmax).items():
+            assert tries[:3] == [tries[0]] * 3 and tries[3] == 0  # K=3
+            assert hits[0] >= hits[1] >= hits[2], "a draft lands after its prefix"
+            landed[request_class] += hits[0]
+            drafted[request_class] += tries[0]
     assert finished == {r: n for r, n in lengths.items() if r != "r0"}
     assert generated == sum(finished.values())  # r0 left before any step ran
-    counts = engine.take_class_drafts()
-    preset = PRESETS[PRESET]
-    copy_landed, copy_drafted = counts[preset.acceptance["high_2"]]
-    chat_landed, chat_drafted = counts[preset.acceptance["low_1"]]
-    assert copy_drafted[:3] == [copy_drafted[0]] * 3 and copy_drafted[3] == 0  # K=3
-    assert copy_landed[0] / copy_drafted[0] > 0.95 > 0.7 > chat_landed[0] / chat_drafted[0] > 0.25
-    assert chat_landed[0] >= chat_landed[1] >= chat_landed[2], "a draft lands after its prefix"
-    assert engine.take_class_drafts() == {}  # counted once
+    assert landed["copy"] / drafted["copy"] > 0.95 > 0.7 > landed["chat"] / drafted["chat"] > 0.25
 
 
 def test_engine_reports_each_running_requests_last_verify_outcomes():

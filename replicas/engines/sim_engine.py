@@ -89,8 +89,6 @@ class SimulatedEngine:
         self._window = np.zeros((2, max_num_seqs, REQUEST_WINDOW), np.int64)  # accepted, drafted
         self._window_len = np.zeros(max_num_seqs, np.int64)
         self._steps = 0
-        # Per class and draft position: (sequence-steps that landed it, that drafted it).
-        self._class_drafts = np.zeros((2, len(self._table.classes), kmax), np.int64)
         self._records: list[StepRecord] = []
         self._totals = EngineCounters(accepted_per_pos=[0] * kmax, drafted_per_pos=[0] * kmax)
         self._loop: asyncio.Task | None = None
@@ -187,14 +185,6 @@ class SimulatedEngine:
         self._streams.pop(slot, None)
         self._free_slots.append(slot)
 
-    def take_class_drafts(self) -> dict[Acceptance, tuple[list[int], list[int]]]:
-        """Per class since the last call, per draft position: (sequence-steps that landed
-        it, sequence-steps that drafted it), what a replica reports as its class's acceptance."""
-        counts = {acceptance: (landed.tolist(), drafted.tolist()) for acceptance, landed, drafted
-                  in zip(self._table.classes, *self._class_drafts, strict=True) if drafted[0]}
-        self._class_drafts[:] = 0
-        return counts
-
     def request_acceptance(self) -> tuple[RequestAcceptance, ...]:
         """Each running request's recent verify outcomes, as vLLM's engine reports them."""
         slots = np.flatnonzero(self._window_len)
@@ -255,14 +245,8 @@ class SimulatedEngine:
         self._steps += 1
         accepted_pos = [0] * self.kmax
         if k:
-            width = len(self._table.classes)
-            per_class = np.bincount(self._slot_class[active] * (k + 1) + ran,
-                                    minlength=width * (k + 1)).reshape(width, k + 1)
             # Position p landed in every sequence-step whose run reached p + 1.
-            landed = np.cumsum(per_class[:, :0:-1], axis=1)[:, ::-1]
-            self._class_drafts[0, :, :k] += landed
-            self._class_drafts[1, :, :k] += per_class.sum(axis=1, keepdims=True)
-            accepted_pos[:k] = landed.sum(axis=0).tolist()
+            accepted_pos[:k] = np.cumsum(np.bincount(ran, minlength=k + 1)[:0:-1])[::-1].tolist()
         for slot, entry in self._streams.items():
             entry.generated += int(tokens[slot])
             entry.queue.put_nowait(((0,) * int(tokens[slot]), bool(finished[slot])))
