@@ -160,6 +160,8 @@ class SimReplica:
     class_tokens: dict[str, int] = field(default_factory=dict)
     """Tokens asked of this replica, per request class."""
     classes: ClassAcceptance = field(default_factory=ClassAcceptance)
+    learns_classes: bool = False
+    """Whether its per-class acceptance is kept (only modes with the cluster view read it)."""
     window_accepted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
     window_drafted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
     cluster: Any = None
@@ -182,11 +184,11 @@ class SimReplica:
                  "class_acceptance": dict(self.classes.own)}
         self.window_accepted = [0] * max(CANDIDATES)
         self.window_drafted = [0] * max(CANDIDATES)
-        # As the replica deployment: from its running requests' recent verify outcomes.
-        self.classes.observe(class_counts(
-            self.engine.request_acceptance(),
-            {rid: tracked.arrival.request_class for rid, tracked in self.in_flight.items()},
-            self.engine.kmax))
+        if self.learns_classes:  # as the replica deployment: from its requests' windows
+            self.classes.observe(class_counts(
+                self.engine.request_acceptance(),
+                {rid: tracked.arrival.request_class for rid, tracked in self.in_flight.items()},
+                self.engine.kmax))
         return stats
 
 
@@ -227,7 +229,9 @@ class OracleK:
     the batch's steady state at K, as `policies.goodput.steady_lengths` estimates it: each
     class keeps its share of the tokens (its share now, at the current K), so the batch makes
     1 / sum_c (w_c / L_c(K)) tokens per sequence-step. The batch as it is now would overstate
-    a deep K for a mix: its copy-like requests leave sooner and the others take their slots."""
+    a deep K for a mix: its copy-like requests leave sooner and the others take their slots.
+    The shares are read off the batch, as the policy reads them, so right after a switch they
+    still describe the previous K's mix (exact acceptance, not exact shares)."""
 
     name = ORACLE
     reads_requests = False
@@ -279,7 +283,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
         # Static modes start on their tier; adaptive ones on K=3, as the replay does.
         pool = TierPool(engine, CANDIDATES, initial_k=int(mode[6:]) if mode in STATIC else 3)
         await pool.apply_initial()
-        replica = SimReplica(f"r{i}", engine, pool)
+        replica = SimReplica(f"r{i}", engine, pool, learns_classes=uses_cluster)
         policy = OracleK(engine, CANDIDATES) if mode == ORACLE else \
             build_policy(policy_for(mode, switch_margin), CANDIDATES)
         replica.loop = ControlLoop(

@@ -70,13 +70,13 @@ def blend_rates(old: Rates | None, fresh: Rates) -> Rates:
                  for k in range(max(len(old), len(fresh))))
 
 
-def mixture(class_counts: Mapping[str, int], own: Mapping[str, Rates],
+def mixture(requests_per_class: Mapping[str, int], own: Mapping[str, Rates],
             fleet: Mapping[str, Rates]) -> Rates:
     """Mean p[k] of the requests on a replica, given how many of each class it holds: the
     fleet's rates for a class (the hub's mean, more evidence, this replica's included), else
     the replica's own (no hub, or a class the hub has not heard of yet). Covers the positions
     every weighed class has measured (the policy extrapolates beyond); () when none is known."""
-    weighed = [(count, fleet.get(c) or own.get(c)) for c, count in class_counts.items()
+    weighed = [(count, fleet.get(c) or own.get(c)) for c, count in requests_per_class.items()
                if count > 0]
     weighed = [(count, rates) for count, rates in weighed if rates]
     if not weighed:
@@ -114,5 +114,5 @@ class ClassAcceptance:
             if fresh:
                 self.own[request_class] = blend_rates(self.own.get(request_class), fresh)
 
-    def prior(self, class_counts: Mapping[str, int]) -> Rates:
-        return mixture(class_counts, self.own, self.fleet)
+    def prior(self, requests_per_class: Mapping[str, int]) -> Rates:
+        return mixture(requests_per_class, self.own, self.fleet)

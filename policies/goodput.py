@@ -25,9 +25,10 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   replica's) says the smallest tier would win, the policy measures it at once instead of
   waiting out the interval. No prior replaces the probe: a class's traffic may change.
 - A batch that mixes requests whose drafts land with requests whose drafts fail is scored by
-  its steady state, from the per-request outcomes an engine reports (vLLM does; see
-  `steady_lengths`): 1 + q * sum p[k] is the mean over the batch as it is now, and a deeper K
-  changes the batch (the landing requests finish sooner and the others take their slots).
+  its steady state, from the per-request outcomes an engine reports (vLLM's and the
+  simulator do; see `steady_lengths`): 1 + q * sum p[k] is the mean over the batch as it is
+  now, and a deeper K changes the batch (the landing requests finish sooner and the others
+  take their slots).
 - Step costs are measured on this replica every step (seeded by a profile table scaled to the
   measured level), not only profiled once, and interpolated piecewise in batch size so the
   regime knee is kept.

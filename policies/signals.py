@@ -28,6 +28,11 @@ class RequestAcceptance:
     drafted: tuple[int, ...]
     temperature: float = 0.0
 
+    def __post_init__(self) -> None:
+        if len(self.accepted) != len(self.drafted):
+            raise ValueError(f"request {self.request_id}: {len(self.accepted)} accepted counts "
+                             f"for {len(self.drafted)} verify steps")
+
 
 @dataclass(frozen=True)
 class ClusterView:

@@ -55,10 +55,11 @@ def weighted_variance(values: list[float], weight: float) -> float:
     return sum(w * (v - mean) ** 2 for w, v in zip(weights, values, strict=True)) / total
 
 
-def request_length(request: RequestAcceptance, config: StabilityConfig,
+def request_length(request: RequestAcceptance, config: StabilityConfig, current: int,
                    next_tier: int) -> int | None:
     """DSDE's per-sequence speculation length, or None without enough history; `next_tier`
-    is SLmax for a request whose window holds a run cut off by its depth."""
+    is SLmax for a request whose window holds a run at the `current` depth that accepted
+    every draft (cut off by the depth)."""
     pairs = [(a, d) for a, d in zip(request.accepted, request.drafted, strict=True) if d > 0]
     pairs = pairs[-config.window:]
     if len(pairs) < 3:
@@ -70,7 +71,7 @@ def request_length(request: RequestAcceptance, config: StabilityConfig,
     wvir = 20.0 if long_var < 1e-6 else weighted_variance(recent, config.weight) / long_var
     scale = math.exp(2 * (sum(recent) / len(recent)) / config.temperature) - 1
     sl_max = max(1, max(a for a, _ in pairs))
-    if any(a >= d for a, d in pairs):
+    if any(a >= d == current for a, d in pairs):
         sl_max = max(sl_max, next_tier)
     sl_min = math.ceil(0.1 * sl_max)
     if wvir * scale <= 1:
@@ -99,7 +100,7 @@ class StabilityPolicy:
             self._steps_off = 0
         next_tier = min((k for k in self.candidates if k > current), default=current)
         lengths = [n for r in signals.requests
-                   if (n := request_length(r, self.config, next_tier))]
+                   if (n := request_length(r, self.config, current, next_tier))]
         drafted = sum(sum(r.drafted) for r in signals.requests)
         accepted = sum(sum(r.accepted) for r in signals.requests)
         if drafted and accepted / drafted < self.config.off_below:

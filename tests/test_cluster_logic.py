@@ -161,7 +161,6 @@ def test_simulator_outputs_do_not_depend_on_k_and_control_loop_switches():
     assert len(outputs[0]) == 40 and outputs[0] == outputs[1] == outputs[2]
 
 
-
 @pytest.mark.parametrize(("policy", "sees_requests"),
                          [({"name": "goodput"}, True), ({"name": "stability"}, True),
                           ({"name": "ema"}, False), ({"name": "static", "k": 3}, False)])
@@ -183,6 +182,7 @@ def test_control_loop_hands_request_windows_to_the_policies_that_read_them(polic
     assert len(requests) == (4 if sees_requests else 0)
     assert all(len(r.drafted) == loop.decide_every_steps for r in requests)
 
+
 def test_hub_keeps_the_newest_fleet_wide_change_whatever_the_arrival_order():
     hub = ClusterState()
     newer = {"policy": {"name": "static", "k": 7}, "issued_at": 20.0}
@@ -192,7 +192,6 @@ def test_hub_keeps_the_newest_fleet_wide_change_whatever_the_arrival_order():
     assert hub.view("any")["policy_override"] == newer
     hub.set_override(None, 30.0)  # a redeployed user_config supersedes both
     assert hub.view("any")["policy_override"] is None
-
 
 
 def test_class_counts_tally_each_class_per_position_from_request_windows():
@@ -205,6 +204,7 @@ def test_class_counts_tally_each_class_per_position_from_request_windows():
     counts = class_counts(windows, {"a": "copy", "b": "copy", "d": "chat"}, width=4)
     assert counts == {"copy": ([3, 2, 2, 0], [4, 4, 4, 0]), "default": ([1, 0, 0, 0],
                                                                      [1, 0, 0, 0])}
+
 
 def test_class_prior_weighs_classes_by_their_requests_over_the_positions_all_measured():
     own, fleet = {"copy": (0.9, 0.9, 0.9), "code": (0.6, 0.4)}, {"chat": (0.3, 0.1, 0.05),

@@ -121,7 +121,6 @@ def test_oracle_picks_the_true_best_k(request_class, requests, expected_k):
     assert oracle.decide(signals).k == max(rate, key=rate.get) == expected_k
 
 
-
 def test_oracle_scores_a_mixed_batch_by_its_steady_state():
     """Half copy-like, half chat-like at batch 16: the batch as it is would run K=15, but
     there the copy-like requests leave 4x sooner and chat-like ones fill the batch; the batch's
@@ -132,6 +131,7 @@ def test_oracle_scores_a_mixed_batch_by_its_steady_state():
                                         request_class="low_1"))
     signals = Signals(candidates=CANDIDATES, current_k=3, steps=1, running=0, waiting=16)
     assert OracleK(engine, CANDIDATES).decide(signals).k == 3
+
 
 def test_engine_batch_slots_serve_every_token_and_classes_land_as_modelled():
     """The engine runs its batch as arrays: every request gets exactly its tokens, a slot an

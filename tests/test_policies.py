@@ -324,11 +324,15 @@ def test_stability_caps_long_on_steady_acceptance_and_short_on_erratic():
     config = StabilityConfig()
     steady = RequestAcceptance("a", accepted=(7,) * 30, drafted=(7,) * 30)
     erratic = RequestAcceptance("b", accepted=(7, 0) * 15, drafted=(7,) * 30)
-    assert request_length(steady, config, next_tier=7) == 7
-    assert request_length(erratic, config, next_tier=7) < 7
+    assert request_length(steady, config, current=7, next_tier=15) == 15
+    assert request_length(erratic, config, current=7, next_tier=15) < 7
     policy = StabilityPolicy(config, CANDIDATES)
     base = window(7, 1.0, batch=1)
+    assert policy.decide(Signals(**{**base.__dict__, "requests": (steady,)})).k == 15
     assert policy.decide(Signals(**{**base.__dict__, "requests": (erratic,)})).k < 7
+    # Full runs from before a climb (at K=3) say nothing about K=7's depth.
+    earlier = RequestAcceptance("c", accepted=(3,) * 15 + (5,) * 15, drafted=(3,) * 15 + (7,) * 15)
+    assert request_length(earlier, config, current=7, next_tier=15) <= 7
 
 
 def test_stability_climbs_when_runs_are_cut_off_by_the_depth():

@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from policies.class_acceptance import DEFAULT_CLASS
+
 
 class EngineInputError(ValueError):
     """The request cannot be served as asked (too long, bad sampling values, ...).
@@ -27,7 +29,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
-    request_class: str = "default"
+    request_class: str = DEFAULT_CLASS
     """A label for acceptance statistics (the router and hub keep acceptance per class)."""
 
 

@@ -23,6 +23,7 @@ from itertools import chain, islice
 
 import numpy as np
 
+from policies.outcomes import reaching
 from policies.signals import RequestAcceptance
 from replicas.engines.base import (
     REQUEST_WINDOW,
@@ -197,7 +198,7 @@ class SimulatedEngine:
 
     def next_batch_acceptance(self) -> Counter[Acceptance]:
         """The acceptance models of the requests the next step will run (how many of each).
-        Only a simulator knows this: it lets `bench.cluster_sim` compute an oracle bound."""
+        Only a simulator knows this: `bench.cluster_sim`'s exact-information reference uses it."""
         queued = islice(self._waiting, max(0, self.max_num_seqs - len(self._running)))
         return Counter(entry.acceptance for entry in chain(self._running.values(), queued))
 
@@ -246,7 +247,7 @@ class SimulatedEngine:
         accepted_pos = [0] * self.kmax
         if k:
             # Position p landed in every sequence-step whose run reached p + 1.
-            accepted_pos[:k] = np.cumsum(np.bincount(ran, minlength=k + 1)[:0:-1])[::-1].tolist()
+            accepted_pos[:k] = reaching(np.zeros(len(ran), np.int64), ran, 1, k)[0].tolist()
         for slot, entry in self._streams.items():
             entry.generated += int(tokens[slot])
             entry.queue.put_nowait(((0,) * int(tokens[slot]), bool(finished[slot])))
