@@ -14,9 +14,9 @@ Differences, said plainly:
   share* of a request (1 - accepted / drafted): low when drafts land, high when they miss.
 - vLLM cannot give each request its own K, so only the batch cap is applied: it becomes the
   replica's K, snapped to the nearest candidate not above it.
-- A run that accepted every draft it was offered is cut off by the depth, not by the request:
-  the request might have accepted more. Such a request's SLmax is the next tier up, so the
-  policy can climb (with the longest run alone as SLmax, K could only ever fall).
+- A run at the current depth that accepted every draft is cut off by the depth, not by the
+  request: the request might have accepted more. Such a request's SLmax is the next tier up,
+  so the policy can climb (with the longest run alone as SLmax, K could only ever fall).
 - DSDE never turns speculation off; ours does when the batch's mean acceptance rate over the
   window falls below `off_below` (drafts that rarely land are pure cost). At K=0 nothing is
   measured, so after `probe_interval_steps` there the policy runs the smallest positive tier
