@@ -40,10 +40,11 @@ def class_counts(windows: Sequence[RequestAcceptance], class_of: Mapping[str, st
     windows = [w for w in windows if w.accepted]
     if not windows:
         return {}
-    names = sorted({class_of.get(w.request_id, DEFAULT_CLASS) for w in windows})
+    classes = [class_of.get(w.request_id, DEFAULT_CLASS) for w in windows]
+    names = sorted(set(classes))
     index = {name: i for i, name in enumerate(names)}
     owner, depth, accepted = flatten(windows, width)
-    group = np.array([index[class_of.get(w.request_id, DEFAULT_CLASS)] for w in windows])[owner]
+    group = np.array([index[c] for c in classes])[owner]
     drafted = reaching(group, depth, len(names), width)
     landed = reaching(group, accepted, len(names), width)
     return {name: (landed[i].tolist(), drafted[i].tolist()) for i, name in enumerate(names)

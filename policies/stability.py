@@ -31,7 +31,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.signals import Decision, RequestAcceptance, Signals
-from policies.tiers import snap_down
+from policies.tiers import neighbour, snap_down
 
 
 class StabilityConfig(BaseModel):
@@ -90,15 +90,14 @@ class StabilityPolicy:
 
     def decide(self, signals: Signals) -> Decision:
         current = signals.current_k
+        next_tier = neighbour(current, self.candidates, 1)  # current itself at the top
         if current == 0:
             self._steps_off += signals.steps
-            positive = [k for k in self.candidates if k > 0]
-            if positive and self._steps_off >= self.config.probe_interval_steps:
+            if next_tier > 0 and self._steps_off >= self.config.probe_interval_steps:
                 self._steps_off = 0
-                return Decision(positive[0], "probe: do drafts land again?")
+                return Decision(next_tier, "probe: do drafts land again?")
         else:
             self._steps_off = 0
-        next_tier = min((k for k in self.candidates if k > current), default=current)
         lengths = [n for r in signals.requests
                    if (n := request_length(r, self.config, current, next_tier))]
         drafted = sum(sum(r.drafted) for r in signals.requests)

@@ -115,7 +115,7 @@ class EngineReplica:
                 top_p=payload["top_p"], seed=payload.get("seed"),
                 stop=tuple(payload.get("stop") or ()), logprobs=payload.get("logprobs"),
                 ignore_eos=payload.get("ignore_eos", False),
-                request_class=payload.get("request_class", DEFAULT_CLASS))
+                request_class=source[1])
             async for chunk in self.engine.generate(request):
                 prompt_tokens, completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
                 yield {"text": chunk.text, "token_ids": list(chunk.token_ids),

@@ -84,12 +84,11 @@ class SimulatedEngine:
         self._left = np.zeros(max_num_seqs, np.int64)  # tokens still to generate
         self._slot_class = np.zeros(max_num_seqs, np.int64)  # index into the table
         self._streams: dict[int, _SimRequest] = {}  # by slot
-        # Each slot's last REQUEST_WINDOW verify outcomes, a ring: step n writes column
-        # n % REQUEST_WINDOW. `_window_len`: steps run by the request now in the slot (the
-        # window holds the last REQUEST_WINDOW of them).
+        # Each slot's last REQUEST_WINDOW verify outcomes, a ring: step n (counted in
+        # `_totals.steps`) writes column n % REQUEST_WINDOW. `_window_len`: steps run by the
+        # request now in the slot (the window holds the last REQUEST_WINDOW of them).
         self._window = np.zeros((2, max_num_seqs, REQUEST_WINDOW), np.int64)  # accepted, drafted
         self._window_len = np.zeros(max_num_seqs, np.int64)
-        self._steps = 0
         self._records: list[StepRecord] = []
         self._totals = EngineCounters(accepted_per_pos=[0] * kmax, drafted_per_pos=[0] * kmax)
         self._loop: asyncio.Task | None = None
@@ -189,7 +188,7 @@ class SimulatedEngine:
     def request_acceptance(self) -> tuple[RequestAcceptance, ...]:
         """Each running request's recent verify outcomes, as vLLM's engine reports them."""
         slots = np.flatnonzero(self._window_len)
-        oldest_first = (self._steps + np.arange(REQUEST_WINDOW)) % REQUEST_WINDOW
+        oldest_first = (self._totals.steps + np.arange(REQUEST_WINDOW)) % REQUEST_WINDOW
         accepted, drafted = self._window[:, slots][:, :, oldest_first].tolist()
         kept = np.minimum(self._window_len[slots], REQUEST_WINDOW).tolist()
         return tuple(
@@ -240,10 +239,9 @@ class SimulatedEngine:
         self._left -= tokens
         finished = active & (self._left == 0)
         ran = runs[active]
-        column = self._steps % REQUEST_WINDOW
+        column = self._totals.steps % REQUEST_WINDOW  # this step's, counted at its end
         self._window[0, :, column], self._window[1, :, column] = runs, k
         self._window_len += active
-        self._steps += 1
         accepted_pos = [0] * self.kmax
         if k:
             # Position p landed in every sequence-step whose run reached p + 1.
