@@ -24,9 +24,9 @@ from typing import Any
 
 from bench.report import compare_to_statics, print_table, verdict
 from policies.registry import build_policy
-from policies.signals import Signals
+from policies.signals import RequestAcceptance, RequestWindows, Signals
 from replicas.control_loop import ControlLoop
-from replicas.engines.base import GenerationRequest
+from replicas.engines.base import REQUEST_WINDOW, GenerationRequest
 from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS
 from replicas.tier_pool import TierPool
@@ -118,12 +118,16 @@ async def replay(mode: str, preset: str, phases: list[Phase], max_tokens: int) -
 
 
 def decision_time_us(preset: str, mode: str, repeats: int = 2000) -> float:
-    """Median wall time of one `decide` call (microseconds) on a typical window."""
+    """Median wall time of one `decide` call (microseconds) on a typical window: eight
+    requests at K=3, each with a full window of verify outcomes (as a vLLM replica has)."""
     policy = build_policy(policy_config(mode, preset), CANDIDATES)
+    requests = RequestWindows.of([
+        RequestAcceptance(f"r{i}", accepted=tuple((i + j) % 4 for j in range(REQUEST_WINDOW)),
+                          drafted=(3,) * REQUEST_WINDOW) for i in range(8)])
     signals = Signals(candidates=CANDIDATES, current_k=3, steps=4, running=8, waiting=0,
                       drafts=32, draft_tokens=96, accepted_tokens=60,
                       accepted_per_pos=(28, 20, 12) + (0,) * 12,
-                      drafted_per_pos=(32, 32, 32) + (0,) * 12)
+                      drafted_per_pos=(32, 32, 32) + (0,) * 12, requests=requests)
     times = []
     for _ in range(repeats):
         started = time.perf_counter()

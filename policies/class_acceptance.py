@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from policies.outcomes import flatten, reaching
-from policies.signals import RequestAcceptance
+from policies.outcomes import position_counts
+from policies.signals import RequestWindows
 
 Rates = tuple[float, ...]
 """p[k] per draft position, over the positions that were measured (a prefix: a draft reaches
@@ -31,22 +31,17 @@ DEFAULT_CLASS = "default"
 """The class of a request that entered without one."""
 
 
-def class_counts(windows: Sequence[RequestAcceptance], class_of: Mapping[str, str],
-                 width: int) -> dict[str, tuple[list[int], list[int]]]:
+def class_counts(windows: RequestWindows, class_of: Mapping[str, str], width: int
+                 ) -> dict[str, tuple[list[int], list[int]]]:
     """Per request class that drafted, per position: (steps that landed it, steps that
     drafted it), from the running requests' recent verify outcomes (`class_of`: request id ->
     class). Windows overlap from one telemetry period to the next, so these make a rate, not a
     count to add up."""
-    windows = [w for w in windows if w.accepted]
-    if not windows:
-        return {}
-    classes = [class_of.get(w.request_id, DEFAULT_CLASS) for w in windows]
+    classes = [class_of.get(request_id, DEFAULT_CLASS) for request_id in windows.request_ids]
     names = sorted(set(classes))
     index = {name: i for i, name in enumerate(names)}
-    owner, depth, accepted = flatten(windows, width)
-    group = np.array([index[c] for c in classes])[owner]
-    drafted = reaching(group, depth, len(names), width)
-    landed = reaching(group, accepted, len(names), width)
+    drafted, landed = position_counts(windows, np.array([index[c] for c in classes], np.int64),
+                                      len(names), width)
     return {name: (landed[i].tolist(), drafted[i].tolist()) for i, name in enumerate(names)
             if drafted[i, 0]}
 

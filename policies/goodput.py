@@ -48,8 +48,8 @@ from typing import Literal, TypeVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.outcomes import flatten, reaching
-from policies.signals import Decision, RequestAcceptance, Signals, StepCost
+from policies.outcomes import position_counts
+from policies.signals import Decision, RequestWindows, Signals, StepCost
 
 P = TypeVar("P")  # the point type of a cost table (see _predict_row)
 # Acceptance assumed at the first position before any measurement or prior.
@@ -269,8 +269,8 @@ class AcceptanceWindow:
         return rates
 
 
-def steady_lengths(requests: tuple[RequestAcceptance, ...], landing: list[float],
-                   prior_strength: float, ks: tuple[int, ...]) -> dict[int, float] | None:
+def steady_lengths(requests: RequestWindows, landing: list[float], prior_strength: float,
+                   ks: tuple[int, ...]) -> dict[int, float] | None:
     """Tokens per sequence-step at each depth in `ks` once the batch's mix has settled there;
     None when no request drafted in its window.
 
@@ -289,32 +289,36 @@ def steady_lengths(requests: tuple[RequestAcceptance, ...], landing: list[float]
 
     Vectorised over requests (see `policies.outcomes`).
     """
-    requests = tuple(r for r in requests if r.accepted)
-    if not requests:
+    kmax, rows = len(landing), len(requests)
+    if not rows:
         return None
-    kmax = len(landing)
-    owner, depth, accepted = flatten(requests, kmax)
-    if not depth.any():
-        return None
-    tokens = np.bincount(owner, weights=accepted + 1)
     # Per request and position k: steps that drafted k; steps that landed it.
-    reach = reaching(owner, depth, len(requests), kmax)
-    beyond = reaching(owner, accepted, len(requests), kmax)
+    reach, beyond = position_counts(requests, np.arange(rows), rows, kmax)
+    if not reach[:, 0].any():
+        return None
+    tokens = requests.tokens
     weight = reach + prior_strength
     unweighted = weight == 0  # only without a prior: no evidence, the guess stands
     weight[unweighted] = 1
-    cumulative = np.ones((len(requests), kmax + 1))
-    rate = np.ones(len(requests))
-    for k in range(kmax):
-        guess = landing[0] if k == 0 else rate * (
-            min(1.0, landing[k] / landing[k - 1]) if landing[k - 1] > 0 else 0.0)
+    # The replica's conditional rate at each position past the first.
+    conditional = np.array([0.0] + [min(1.0, landing[k] / landing[k - 1])
+                                    if landing[k - 1] > 0 else 0.0 for k in range(1, kmax)])
+    drafted_to = int(np.flatnonzero(reach.any(axis=0))[-1]) + 1  # positions some request drafted
+    cumulative = np.ones((rows, kmax + 1))
+    rate = np.ones(rows)
+    for k in range(drafted_to):
+        guess = landing[0] if k == 0 else rate * conditional[k]
         own = (beyond[:, k] + prior_strength * guess) / weight[:, k]
         if prior_strength == 0:
             own = np.where(unweighted[:, k], guess, own)
         rate = np.minimum(own, rate)  # a prefix: more than k accepted implies more than k-1
         cumulative[:, k + 1] = cumulative[:, k] + rate
-    total = tokens.sum()
-    return {k: float(total / (tokens / cumulative[:, min(k, kmax)]).sum()) for k in ks}
+    # Deeper, no request has evidence: each goes on from its last rate by the guess alone
+    # (the loop above would give the same, a position at a time).
+    cumulative[:, drafted_to + 1:] = cumulative[:, drafted_to, None] + \
+        rate[:, None] * np.cumsum(np.cumprod(conditional[drafted_to:]))
+    per_step = tokens.sum() / (tokens[:, None] / cumulative[:, np.minimum(ks, kmax)]).sum(axis=0)
+    return dict(zip(ks, per_step.tolist(), strict=True))
 
 
 def _extrapolate(rates: list[float]) -> float:

@@ -1,31 +1,28 @@
-"""Per-request verify outcomes as arrays, counted by draft position.
+"""Per-request verify outcomes counted by draft position.
 
-Both readers of `RequestAcceptance` windows count the same thing, per group of steps (a
-request, a request class): at each draft position k, the steps that drafted it and the steps
-that landed it. A decision or a telemetry period reads a whole batch's windows (64 x 30
-outcomes), and the cluster simulation reads millions of them, so the counting is vectorised.
+Both readers of `RequestWindows` count the same thing, per group of requests (a request, a
+request class): at each draft position k, the steps that drafted it and the steps that landed
+it. A decision or a telemetry period reads a whole batch's windows (64 x 30 outcomes), and the
+cluster simulation reads millions of them, so the counting is vectorised.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from itertools import chain
-
 import numpy as np
 
-from policies.signals import RequestAcceptance
+from policies.signals import RequestWindows
 
 
-def flatten(windows: Sequence[RequestAcceptance], width: int
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(owner, depth, accepted) per step of all `windows`: the window's index, the drafts it
-    offered (at most `width`) and those accepted (at most the depth)."""
-    owner = np.repeat(np.arange(len(windows)), [len(w.accepted) for w in windows])
-    depth = np.minimum(np.fromiter(chain.from_iterable(w.drafted for w in windows), np.int64,
-                                   len(owner)), width)
-    accepted = np.minimum(np.fromiter(chain.from_iterable(w.accepted for w in windows),
-                                      np.int64, len(owner)), depth)
-    return owner, depth, accepted
+def position_counts(windows: RequestWindows, group: np.ndarray, groups: int, width: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """([group, k], [group, k]) for k < `width`: the steps of each group's requests that
+    drafted position k, and those that landed it (`group`: each request's group, < `groups`).
+    Drafts beyond `width` are not counted."""
+    depth = np.minimum(windows.drafted, width)
+    landed = np.minimum(windows.accepted, depth)
+    owner = np.repeat(group, depth.shape[1])  # rows are contiguous in a C-order ravel
+    return (reaching(owner, depth.ravel(), groups, width),
+            reaching(owner, landed.ravel(), groups, width))
 
 
 def reaching(groups: np.ndarray, values: np.ndarray, count: int, width: int) -> np.ndarray:

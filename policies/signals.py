@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -20,18 +23,75 @@ class RequestAcceptance:
     """Recent verify outcomes of one running request (oldest first).
 
     `accepted` holds accepted drafts per verify step (0..k); `drafted` the drafts offered in
-    the same steps. Engines that cannot attribute acceptance per request leave this empty.
+    the same steps.
     """
 
     request_id: str
     accepted: tuple[int, ...]
     drafted: tuple[int, ...]
-    temperature: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.accepted) != len(self.drafted):
             raise ValueError(f"request {self.request_id}: {len(self.accepted)} accepted counts "
                              f"for {len(self.drafted)} verify steps")
+
+
+def _no_outcomes() -> np.ndarray:
+    return np.zeros((0, 0), np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class RequestWindows:
+    """The running requests' recent verify outcomes, one row per request (`request_ids`).
+
+    Row i holds the request's last `lengths[i]` outcomes in its last columns, oldest first:
+    `accepted[i, j]` of `drafted[i, j]` drafts landed. The columns before them are zeros, a
+    step that neither drafted nor landed anything, so counts by position can run over whole
+    arrays. Arrays rather than one object per request: a decision reads a whole batch (64 x
+    30 outcomes), and the cluster simulation millions of them. Engines that cannot attribute
+    acceptance to requests report none (the empty default).
+    """
+
+    request_ids: tuple[str, ...] = ()
+    accepted: np.ndarray = field(default_factory=_no_outcomes)
+    drafted: np.ndarray = field(default_factory=_no_outcomes)
+    lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def __post_init__(self) -> None:
+        rows = len(self.request_ids)
+        if self.accepted.shape != self.drafted.shape or self.accepted.shape[0] != rows or \
+                self.lengths.shape != (rows,):
+            raise ValueError(f"{rows} requests with accepted {self.accepted.shape}, drafted "
+                             f"{self.drafted.shape} and lengths {self.lengths.shape}")
+
+    @classmethod
+    def of(cls, requests: Sequence[RequestAcceptance]) -> RequestWindows:
+        """Rows from per-request outcomes (as an engine that keeps them per request has them)."""
+        width = max((len(r.accepted) for r in requests), default=0)
+        accepted = np.zeros((len(requests), width), np.int64)
+        drafted = np.zeros((len(requests), width), np.int64)
+        for row, request in enumerate(requests):
+            accepted[row, width - len(request.accepted):] = request.accepted
+            drafted[row, width - len(request.drafted):] = request.drafted
+        return cls(tuple(r.request_id for r in requests), accepted, drafted,
+                   np.array([len(r.accepted) for r in requests], np.int64))
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __iter__(self) -> Iterator[RequestAcceptance]:
+        """Each request's outcomes on its own (for policies that judge requests one by one)."""
+        width = self.accepted.shape[1]
+        for row, (request_id, length) in enumerate(zip(self.request_ids, self.lengths.tolist(),
+                                                       strict=True)):
+            yield RequestAcceptance(request_id, tuple(self.accepted[row, width - length:].tolist()),
+                                    tuple(self.drafted[row, width - length:].tolist()))
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Tokens each request made over its window: a verify step gives the accepted drafts
+        plus one token of the target's own."""
+        return self.accepted.sum(axis=1) + self.lengths
 
 
 @dataclass(frozen=True)
@@ -76,7 +136,7 @@ class Signals:
     accepted_per_pos: tuple[int, ...] = ()
     drafted_per_pos: tuple[int, ...] = ()
     step_costs: tuple[StepCost, ...] = ()
-    requests: tuple[RequestAcceptance, ...] = ()
+    requests: RequestWindows = field(default_factory=RequestWindows)
     cluster: ClusterView | None = None
     now_s: float = 0.0
     max_batch: int | None = None

@@ -13,14 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from policies.base import Policy
-from policies.signals import ClusterView, Decision, RequestAcceptance, Signals, StepCost
+from policies.signals import ClusterView, Decision, RequestWindows, Signals, StepCost
 from replicas.engines.base import Engine, StepRecord, add_per_position
 from replicas.tier_pool import TierPool, TierSwitch
 
 
 def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: int,
                cluster: ClusterView | None = None,
-               requests: tuple[RequestAcceptance, ...] = (), now_s: float = 0.0,
+               requests: RequestWindows | None = None, now_s: float = 0.0,
                max_batch: int | None = None,
                class_prior: tuple[float, ...] = ()) -> Signals:
     """Sum a window of step records into Signals; per-position counts padded to max K."""
@@ -40,7 +40,8 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         # A step's K is the one in force when it ran; steps of unknown length are left out.
         step_costs=tuple(StepCost(s.running, s.k, s.wall_s) for s in steps
                          if s.wall_s > 0 and s.running > 0),
-        requests=requests, cluster=cluster, now_s=now_s, max_batch=max_batch,
+        requests=RequestWindows() if requests is None else requests, cluster=cluster,
+        now_s=now_s, max_batch=max_batch,
         class_prior=class_prior)
 
 
@@ -64,7 +65,7 @@ class ControlLoop:
         self.policy = policy
         self.decide_every_steps = decide_every_steps
         # Per-request outcomes, from engines that can attribute acceptance (see `Engine`).
-        self._request_acceptance: Callable[[], tuple[RequestAcceptance, ...]] | None = \
+        self._request_acceptance: Callable[[], RequestWindows] | None = \
             getattr(engine, "request_acceptance", None)
         self.max_batch = max_batch
         self._class_prior = class_prior
@@ -83,7 +84,7 @@ class ControlLoop:
         if len(self._pending) < self.decide_every_steps:
             return steps, None, None
         requests = self._request_acceptance() if self._request_acceptance and \
-            self.policy.reads_requests else ()
+            self.policy.reads_requests else None
         class_prior = self._class_prior() if self._class_prior else ()
         signals = fold_steps(self._pending, self.pool.candidates, self.pool.active_k,
                              cluster, requests, time.monotonic(), self.max_batch, class_prior)

@@ -27,7 +27,7 @@ from policies.class_acceptance import (
     rates_from_counts,
 )
 from policies.registry import build_policy
-from policies.signals import RequestAcceptance
+from policies.signals import RequestAcceptance, RequestWindows
 from replicas.control_loop import ControlLoop, fold_steps
 from replicas.engines.base import GenerationRequest, StepRecord
 from replicas.engines.sim_engine import SimulatedEngine
@@ -197,10 +197,11 @@ def test_hub_keeps_the_newest_fleet_wide_change_whatever_the_arrival_order():
 def test_class_counts_tally_each_class_per_position_from_request_windows():
     """As a replica reports its classes: per position, steps that drafted it and steps that
     landed it, pooled over the class's requests; a request without a class is "default"."""
-    windows = (RequestAcceptance("a", accepted=(3, 1, 0), drafted=(3, 3, 3)),
-               RequestAcceptance("b", accepted=(5,), drafted=(3,)),  # at most what it drafted
-               RequestAcceptance("c", accepted=(0, 1), drafted=(0, 1)),
-               RequestAcceptance("d", accepted=(0,), drafted=(0,)))  # never drafted: left out
+    windows = RequestWindows.of([
+        RequestAcceptance("a", accepted=(3, 1, 0), drafted=(3, 3, 3)),
+        RequestAcceptance("b", accepted=(5,), drafted=(3,)),  # at most what it drafted
+        RequestAcceptance("c", accepted=(0, 1), drafted=(0, 1)),
+        RequestAcceptance("d", accepted=(0,), drafted=(0,))])  # never drafted: left out
     counts = class_counts(windows, {"a": "copy", "b": "copy", "d": "chat"}, width=4)
     assert counts == {"copy": ([3, 2, 2, 0], [4, 4, 4, 0]), "default": ([1, 0, 0, 0],
                                                                      [1, 0, 0, 0])}

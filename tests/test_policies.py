@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,7 +11,7 @@ from policies.batch_table import lookup
 from policies.ema import EmaConfig, EmaPolicy
 from policies.goodput import GoodputConfig, GoodputPolicy, StepCostModel, steady_lengths
 from policies.registry import POLICY_NAMES, build_policy
-from policies.signals import ClusterView, RequestAcceptance, Signals, StepCost
+from policies.signals import ClusterView, RequestAcceptance, RequestWindows, Signals, StepCost
 from policies.stability import StabilityConfig, StabilityPolicy, request_length
 
 CANDIDATES = (0, 1, 3, 7, 15)
@@ -187,11 +188,25 @@ MEASURED = [(8, 0, 0.0124), (8, 1, 0.0161), (8, 3, 0.0180), (8, 7, 0.0209), (8, 
             (32, 15, 0.0512)]
 
 
-def mixed_batch(copy: int, sampled: int, k: int = 3, steps: int = 30
-                ) -> tuple[RequestAcceptance, ...]:
+def mixed_batch(copy: int, sampled: int, k: int = 3, steps: int = 30) -> RequestWindows:
     """Per-request windows at depth k: copy-like requests land every draft, sampled ones none."""
-    return tuple(RequestAcceptance(f"c{i}", (k,) * steps, (k,) * steps) for i in range(copy)) \
-        + tuple(RequestAcceptance(f"s{i}", (0,) * steps, (k,) * steps) for i in range(sampled))
+    return RequestWindows.of(
+        [RequestAcceptance(f"c{i}", (k,) * steps, (k,) * steps) for i in range(copy)]
+        + [RequestAcceptance(f"s{i}", (0,) * steps, (k,) * steps) for i in range(sampled)])
+
+
+def test_request_windows_hold_each_requests_outcomes_right_aligned():
+    requests = [RequestAcceptance("a", accepted=(1, 0, 3), drafted=(3, 3, 3)),
+                RequestAcceptance("b", accepted=(2,), drafted=(7,)),
+                RequestAcceptance("c", accepted=(), drafted=())]
+    windows = RequestWindows.of(requests)
+    assert list(windows) == requests
+    assert windows.accepted.tolist() == [[1, 0, 3], [0, 0, 2], [0, 0, 0]]
+    assert windows.drafted.tolist() == [[3, 3, 3], [0, 0, 7], [0, 0, 0]]
+    assert windows.tokens.tolist() == [7, 3, 0]  # accepted drafts plus one token a step
+    with pytest.raises(ValueError, match="lengths"):
+        RequestWindows(("a",), np.zeros((1, 3), np.int64), np.zeros((1, 3), np.int64),
+                       np.zeros(2, np.int64))
 
 
 def test_steady_lengths_weigh_each_request_by_its_share_of_the_tokens():
@@ -211,12 +226,12 @@ def test_goodput_does_not_go_deep_on_a_mixed_batch_whose_copy_requests_would_lea
     a quarter of the slots hold copy requests. K=15 looks 2x better on the batch as it is,
     but at K=15 the copy requests finish 4x faster and sampled ones fill their slots; the
     measured best static depths there are K=1 and K=3."""
-    def decide(requests: tuple[RequestAcceptance, ...]) -> int:
+    def decide(requests: RequestWindows) -> int:
         policy = goodput(profile=MEASURED)
         signals = window(3, 1.0, batch=32, proposing=0.25)
         return policy.decide(Signals(**{**signals.__dict__, "requests": requests})).k
 
-    assert decide(()) == 15  # without per-request outcomes: the batch's mean
+    assert decide(RequestWindows()) == 15  # without per-request outcomes: the batch's mean
     assert decide(mixed_batch(copy=8, sampled=24)) in (1, 3)
     assert decide(mixed_batch(copy=32, sampled=0)) == 15  # a uniform batch still goes deep
 
@@ -320,6 +335,10 @@ def test_goodput_new_replica_starts_from_the_cluster_prior():
 
 # ---- stability (DSDE) -------------------------------------------------------------------------
 
+def with_requests(signals: Signals, *requests: RequestAcceptance) -> Signals:
+    return Signals(**{**signals.__dict__, "requests": RequestWindows.of(requests)})
+
+
 def test_stability_caps_long_on_steady_acceptance_and_short_on_erratic():
     config = StabilityConfig()
     steady = RequestAcceptance("a", accepted=(7,) * 30, drafted=(7,) * 30)
@@ -328,8 +347,8 @@ def test_stability_caps_long_on_steady_acceptance_and_short_on_erratic():
     assert request_length(erratic, config, current=7, next_tier=15) < 7
     policy = StabilityPolicy(config, CANDIDATES)
     base = window(7, 1.0, batch=1)
-    assert policy.decide(Signals(**{**base.__dict__, "requests": (steady,)})).k == 15
-    assert policy.decide(Signals(**{**base.__dict__, "requests": (erratic,)})).k < 7
+    assert policy.decide(with_requests(base, steady)).k == 15
+    assert policy.decide(with_requests(base, erratic)).k < 7
     # Full runs from before a climb (at K=3) say nothing about K=7's depth.
     earlier = RequestAcceptance("c", accepted=(3,) * 15 + (5,) * 15, drafted=(3,) * 15 + (7,) * 15)
     assert request_length(earlier, config, current=7, next_tier=15) <= 7
@@ -343,11 +362,10 @@ def test_stability_climbs_when_runs_are_cut_off_by_the_depth():
     k = 3
     for _ in range(3):
         full = RequestAcceptance("a", accepted=(k,) * 30, drafted=(k,) * 30)
-        k = policy.decide(Signals(**{**window(k, 1.0, batch=1).__dict__, "requests": (full,)})).k
+        k = policy.decide(with_requests(window(k, 1.0, batch=1), full)).k
     assert k == 15
     short = RequestAcceptance("b", accepted=(2,) * 30, drafted=(3,) * 30)
-    assert policy.decide(Signals(**{**window(3, 0.6, batch=1).__dict__,
-                                    "requests": (short,)})).k == 1
+    assert policy.decide(with_requests(window(3, 0.6, batch=1), short)).k == 1
 
 
 def test_stability_turns_speculation_off_when_nothing_lands_and_looks_again_later():
@@ -355,9 +373,9 @@ def test_stability_turns_speculation_off_when_nothing_lands_and_looks_again_late
     policy = StabilityPolicy(config, CANDIDATES)
     dead = RequestAcceptance("a", accepted=(0,) * 30, drafted=(7,) * 30)
     base = window(7, 0.0, batch=1)
-    assert policy.decide(Signals(**{**base.__dict__, "requests": (dead,)})).k == 0
+    assert policy.decide(with_requests(base, dead)).k == 0
     idle = RequestAcceptance("a", accepted=(0,) * 30, drafted=(0,) * 30)
-    off = Signals(**{**window(0, 0.0, batch=1, steps=16).__dict__, "requests": (idle,)})
+    off = with_requests(window(0, 0.0, batch=1, steps=16), idle)
     decisions = [policy.decide(off).k for _ in range(4)]
     assert decisions == [0, 0, 0, 1], "after 64 steps at K=0 it measures the smallest tier"
 

@@ -116,7 +116,7 @@ class Engine(Protocol):
     applies it from the next scheduled step on. Stats come two ways: `drain_steps()` returns
     the per-step records since the last call (for the control loop), `counters()` the totals.
     An engine that can attribute acceptance to requests also has `request_acceptance()`: each
-    running request's last `REQUEST_WINDOW` verify outcomes (`policies.signals.RequestAcceptance`).
+    running request's last `REQUEST_WINDOW` verify outcomes (`policies.signals.RequestWindows`).
     """
 
     name: str

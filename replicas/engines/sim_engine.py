@@ -24,7 +24,7 @@ from itertools import chain, islice
 import numpy as np
 
 from policies.outcomes import reaching
-from policies.signals import RequestAcceptance
+from policies.signals import RequestWindows
 from replicas.engines.base import (
     REQUEST_WINDOW,
     EngineCounters,
@@ -83,6 +83,7 @@ class SimulatedEngine:
         self._active = np.zeros(max_num_seqs, bool)
         self._left = np.zeros(max_num_seqs, np.int64)  # tokens still to generate
         self._slot_class = np.zeros(max_num_seqs, np.int64)  # index into the table
+        self._slot_request = np.full(max_num_seqs, "", object)  # request id
         self._streams: dict[int, _SimRequest] = {}  # by slot
         # Each slot's last REQUEST_WINDOW verify outcomes, a ring: step n (counted in
         # `_totals.steps`) writes column n % REQUEST_WINDOW. `_window_len`: steps run by the
@@ -169,6 +170,7 @@ class SimulatedEngine:
             self._active[slot] = True
             self._left[slot] = entry.request.max_tokens
             self._slot_class[slot] = self._table.index[entry.acceptance]
+            self._slot_request[slot] = entry.request.request_id
             if entry.queue is not None:
                 self._streams[slot] = entry
             admitted.append(entry)
@@ -185,15 +187,16 @@ class SimulatedEngine:
         self._streams.pop(slot, None)
         self._free_slots.append(slot)
 
-    def request_acceptance(self) -> tuple[RequestAcceptance, ...]:
+    def request_acceptance(self) -> RequestWindows:
         """Each running request's recent verify outcomes, as vLLM's engine reports them."""
         slots = np.flatnonzero(self._window_len)
         oldest_first = (self._totals.steps + np.arange(REQUEST_WINDOW)) % REQUEST_WINDOW
-        accepted, drafted = self._window[:, slots][:, :, oldest_first].tolist()
-        kept = np.minimum(self._window_len[slots], REQUEST_WINDOW).tolist()
-        return tuple(
-            RequestAcceptance(self._slots[slot].request.request_id, tuple(a[-n:]), tuple(d[-n:]))
-            for slot, n, a, d in zip(slots.tolist(), kept, accepted, drafted, strict=True))
+        accepted, drafted = self._window[:, slots][:, :, oldest_first]
+        kept = np.minimum(self._window_len[slots], REQUEST_WINDOW)
+        # A reused slot's ring still holds its previous request's outcomes before these.
+        outcomes = np.arange(REQUEST_WINDOW) >= REQUEST_WINDOW - kept[:, None]
+        return RequestWindows(tuple(self._slot_request[slots].tolist()),
+                              accepted * outcomes, drafted * outcomes, kept)
 
     def next_batch_acceptance(self) -> Counter[Acceptance]:
         """The acceptance models of the requests the next step will run (how many of each).

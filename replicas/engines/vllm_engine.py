@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from policies.signals import RequestAcceptance
+from policies.signals import RequestAcceptance, RequestWindows
 from replicas.engines.base import (
     REQUEST_WINDOW,
     EngineCounters,
@@ -316,12 +316,12 @@ class VllmEngine:
         finally:
             self._acceptance.pop(request.request_id, None)
 
-    def request_acceptance(self) -> tuple[RequestAcceptance, ...]:
+    def request_acceptance(self) -> RequestWindows:
         """Recent per-request verify outcomes (derived from output deltas; see generate)."""
-        return tuple(
+        return RequestWindows.of([
             RequestAcceptance(request_id=rid, accepted=tuple(a for a, _ in window),
                               drafted=tuple(d for _, d in window))
-            for rid, window in self._acceptance.items() if window)
+            for rid, window in self._acceptance.items() if window])
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
