@@ -296,28 +296,28 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
     reach, beyond = position_counts(requests, np.arange(rows), rows, kmax)
     if not reach[:, 0].any():
         return None
-    tokens = requests.tokens
-    weight = reach + prior_strength
-    unweighted = weight == 0  # only without a prior: no evidence, the guess stands
-    weight[unweighted] = 1
+    # Without a prior, a position a request never drafted has no evidence: the guess stands.
+    weight = reach + prior_strength if prior_strength else np.maximum(reach, 1)
     # The replica's conditional rate at each position past the first.
-    conditional = np.array([0.0] + [min(1.0, landing[k] / landing[k - 1])
-                                    if landing[k - 1] > 0 else 0.0 for k in range(1, kmax)])
+    conditional = [0.0] + [min(1.0, landing[k] / landing[k - 1]) if landing[k - 1] > 0
+                           else 0.0 for k in range(1, kmax)]
     drafted_to = int(np.flatnonzero(reach.any(axis=0))[-1]) + 1  # positions some request drafted
-    cumulative = np.ones((rows, kmax + 1))
-    rate = np.ones(rows)
+    rates = np.empty((kmax, rows))  # r_k per position (rows) and request (columns)
+    rate = 1.0
     for k in range(drafted_to):
         guess = landing[0] if k == 0 else rate * conditional[k]
         own = (beyond[:, k] + prior_strength * guess) / weight[:, k]
-        if prior_strength == 0:
-            own = np.where(unweighted[:, k], guess, own)
-        rate = np.minimum(own, rate)  # a prefix: more than k accepted implies more than k-1
-        cumulative[:, k + 1] = cumulative[:, k] + rate
+        if not prior_strength:
+            own = np.where(reach[:, k] == 0, guess, own)
+        rate = rates[k] = np.minimum(own, rate)  # more than k accepted needs more than k-1
     # Deeper, no request has evidence: each goes on from its last rate by the guess alone
     # (the loop above would give the same, a position at a time).
-    cumulative[:, drafted_to + 1:] = cumulative[:, drafted_to, None] + \
-        rate[:, None] * np.cumsum(np.cumprod(conditional[drafted_to:]))
-    per_step = tokens.sum() / (tokens[:, None] / cumulative[:, np.minimum(ks, kmax)]).sum(axis=0)
+    rates[drafted_to:] = np.cumprod(conditional[drafted_to:])[:, None] * rate
+    lengths = np.ones((kmax + 1, rows))  # L_r(K) for K = 0..kmax
+    np.cumsum(rates, axis=0, out=lengths[1:])
+    lengths[1:] += 1
+    tokens = requests.tokens
+    per_step = tokens.sum() / (tokens / lengths[np.minimum(ks, kmax)]).sum(axis=1)
     return dict(zip(ks, per_step.tolist(), strict=True))
 
 

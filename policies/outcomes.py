@@ -20,13 +20,17 @@ def position_counts(windows: RequestWindows, group: np.ndarray, groups: int, wid
     Drafts beyond `width` are not counted."""
     depth = np.minimum(windows.drafted, width)
     landed = np.minimum(windows.accepted, depth)
-    owner = np.repeat(group, depth.shape[1])  # rows are contiguous in a C-order ravel
-    return (reaching(owner, depth.ravel(), groups, width),
-            reaching(owner, landed.ravel(), groups, width))
+    # One histogram of values 0..width per group, drafted counts first, then landed ones.
+    bins = np.repeat(group * (width + 1), depth.shape[1])  # rows are contiguous in a ravel
+    histogram = np.bincount(
+        np.concatenate((bins + depth.ravel(), bins + landed.ravel() + groups * (width + 1))),
+        minlength=2 * groups * (width + 1)).reshape(2, groups, width + 1)
+    counts = reaching(histogram)
+    return counts[0], counts[1]
 
 
-def reaching(groups: np.ndarray, values: np.ndarray, count: int, width: int) -> np.ndarray:
-    """[group, k] for k < width: how many of a group's steps have a value of at least k + 1
-    (with drafts offered: steps that drafted position k; with drafts accepted: that landed it)."""
-    counts = np.bincount(groups * (width + 1) + values, minlength=count * (width + 1))
-    return np.cumsum(counts.reshape(-1, width + 1)[:, :0:-1], axis=1)[:, ::-1]
+def reaching(histogram: np.ndarray) -> np.ndarray:
+    """From counts of values 0..width along the last axis, how many values are at least k + 1
+    for k < width (of drafts offered: steps that drafted position k; of drafts accepted:
+    steps that landed it)."""
+    return np.cumsum(histogram[..., :0:-1], axis=-1)[..., ::-1]

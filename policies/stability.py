@@ -28,9 +28,10 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.signals import Decision, RequestAcceptance, Signals
+from policies.signals import Decision, RequestWindows, Signals
 from policies.tiers import neighbour, snap_down
 
 
@@ -47,36 +48,46 @@ class StabilityConfig(BaseModel):
     """Engine steps at K=0 before measuring the smallest positive tier again."""
 
 
-def weighted_variance(values: list[float], weight: float) -> float:
-    """Variance with geometric weights, the newest value weighing most."""
-    weights = [weight ** (len(values) - 1 - i) for i in range(len(values))]
-    total = sum(weights)
-    mean = sum(w * v for w, v in zip(weights, values, strict=True)) / total
-    return sum(w * (v - mean) ** 2 for w, v in zip(weights, values, strict=True)) / total
+def request_lengths(windows: RequestWindows, config: StabilityConfig, current: int,
+                    next_tier: int) -> np.ndarray:
+    """DSDE's speculation length per request, 0 for a request with fewer than three drafting
+    steps; `next_tier` is SLmax for a request whose window holds a run at the `current` depth
+    that accepted every draft (cut off by the depth). Vectorised over requests: a row holds
+    a request's steps that drafted, the last `config.window` of them, right-aligned, so one
+    set of geometric weights (newest 1) serves every row."""
+    columns = windows.drafted.shape[1]
+    column = np.arange(columns)
+    drafting = windows.drafted > 0
+    # Move each row's drafting steps to its end, in order (K=0 steps carry no signal).
+    order = np.argsort(np.where(drafting, column, -1), axis=1, kind="stable")
+    accepted = np.take_along_axis(windows.accepted, order, axis=1)
+    drafted = np.take_along_axis(windows.drafted, order, axis=1)
+    steps = np.minimum(drafting.sum(axis=1), config.window)
+    recent_steps = np.where(steps >= config.window // 3, max(1, config.window // 3), steps)
+    kept = column >= columns - steps[:, None]
+    recent = column >= columns - recent_steps[:, None]
+    signal = np.where(kept, 1 - accepted / np.maximum(drafted, 1), 0.0)
+    weights = config.weight ** (columns - 1 - column)
+    long_var = _weighted_variance(signal, weights * kept)
+    recent_var = _weighted_variance(signal, weights * recent)
+    wvir = np.where(long_var < 1e-6, 20.0, recent_var / np.where(long_var < 1e-6, 1, long_var))
+    scale = np.exp(2 * signal.sum(axis=1, where=recent) / np.maximum(recent_steps, 1)
+                   / config.temperature) - 1
+    sl_max = np.maximum(1, np.max(accepted, axis=1, where=kept, initial=0))
+    cut_off = (kept & (accepted >= drafted) & (drafted == current)).any(axis=1)
+    sl_max = np.where(cut_off, np.maximum(sl_max, next_tier), sl_max)
+    sl_min = np.ceil(0.1 * sl_max)
+    unstable = wvir * scale
+    lengths = np.where(unstable <= 1, np.ceil((sl_max - sl_min) * (1 - unstable) + sl_min),
+                       sl_min)
+    return np.where(steps >= 3, lengths, 0).astype(np.int64)
 
 
-def request_length(request: RequestAcceptance, config: StabilityConfig, current: int,
-                   next_tier: int) -> int | None:
-    """DSDE's per-sequence speculation length, or None without enough history; `next_tier`
-    is SLmax for a request whose window holds a run at the `current` depth that accepted
-    every draft (cut off by the depth)."""
-    pairs = [(a, d) for a, d in zip(request.accepted, request.drafted, strict=True) if d > 0]
-    pairs = pairs[-config.window:]
-    if len(pairs) < 3:
-        return None
-    signal = [1 - a / d for a, d in pairs]
-    recent = signal[-max(1, config.window // 3):] if len(signal) >= config.window // 3 \
-        else signal
-    long_var = weighted_variance(signal, config.weight)
-    wvir = 20.0 if long_var < 1e-6 else weighted_variance(recent, config.weight) / long_var
-    scale = math.exp(2 * (sum(recent) / len(recent)) / config.temperature) - 1
-    sl_max = max(1, max(a for a, _ in pairs))
-    if any(a >= d == current for a, d in pairs):
-        sl_max = max(sl_max, next_tier)
-    sl_min = math.ceil(0.1 * sl_max)
-    if wvir * scale <= 1:
-        return math.ceil((sl_max - sl_min) * (1 - wvir * scale) + sl_min)
-    return sl_min
+def _weighted_variance(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Per row, the variance of `values` under `weights` (0 where a row has no weight)."""
+    total = np.maximum(weights.sum(axis=1), 1e-300)
+    mean = (weights * values).sum(axis=1) / total
+    return (weights * (values - mean[:, None]) ** 2).sum(axis=1) / total
 
 
 class StabilityPolicy:
@@ -98,15 +109,15 @@ class StabilityPolicy:
                 return Decision(next_tier, "probe: do drafts land again?")
         else:
             self._steps_off = 0
-        lengths = [n for r in signals.requests
-                   if (n := request_length(r, self.config, current, next_tier))]
-        drafted = sum(sum(r.drafted) for r in signals.requests)
-        accepted = sum(sum(r.accepted) for r in signals.requests)
+        lengths = request_lengths(signals.requests, self.config, current, next_tier)
+        lengths = lengths[lengths > 0]
+        drafted = int(signals.requests.drafted.sum())
+        accepted = int(signals.requests.accepted.sum())
         if drafted and accepted / drafted < self.config.off_below:
             return Decision(snap_down(0, self.candidates), "acceptance below the floor",
                             {"acceptance": accepted / drafted})
-        if not lengths:
+        if not lengths.size:
             return Decision(current, "no request history yet")
-        cap = math.ceil(sum(lengths) / len(lengths))
+        cap = math.ceil(lengths.mean())
         return Decision(snap_down(cap, self.candidates), f"batch cap {cap}",
                         {"cap": float(cap), "requests": float(len(lengths))})

@@ -12,7 +12,7 @@ from policies.ema import EmaConfig, EmaPolicy
 from policies.goodput import GoodputConfig, GoodputPolicy, StepCostModel, steady_lengths
 from policies.registry import POLICY_NAMES, build_policy
 from policies.signals import ClusterView, RequestAcceptance, RequestWindows, Signals, StepCost
-from policies.stability import StabilityConfig, StabilityPolicy, request_length
+from policies.stability import StabilityConfig, StabilityPolicy, request_lengths
 
 CANDIDATES = (0, 1, 3, 7, 15)
 
@@ -339,6 +339,11 @@ def with_requests(signals: Signals, *requests: RequestAcceptance) -> Signals:
     return Signals(**{**signals.__dict__, "requests": RequestWindows.of(requests)})
 
 
+def request_length(request: RequestAcceptance, config: StabilityConfig, current: int,
+                   next_tier: int) -> int:
+    return int(request_lengths(RequestWindows.of([request]), config, current, next_tier)[0])
+
+
 def test_stability_caps_long_on_steady_acceptance_and_short_on_erratic():
     config = StabilityConfig()
     steady = RequestAcceptance("a", accepted=(7,) * 30, drafted=(7,) * 30)
@@ -352,6 +357,20 @@ def test_stability_caps_long_on_steady_acceptance_and_short_on_erratic():
     # Full runs from before a climb (at K=3) say nothing about K=7's depth.
     earlier = RequestAcceptance("c", accepted=(3,) * 15 + (5,) * 15, drafted=(3,) * 15 + (7,) * 15)
     assert request_length(earlier, config, current=7, next_tier=15) <= 7
+
+
+def test_stability_judges_each_request_by_its_own_drafting_steps():
+    """A batch of windows of different lengths, some with K=0 steps between drafting ones:
+    each request gets the length it would get alone, from the steps that drafted."""
+    config = StabilityConfig()
+    steady = RequestAcceptance("a", accepted=(7,) * 30, drafted=(7,) * 30)
+    paused = RequestAcceptance("b", accepted=(7, 0) * 15, drafted=(7, 0) * 15)
+    young = RequestAcceptance("c", accepted=(7, 7), drafted=(7, 7))  # too little history
+    erratic = RequestAcceptance("d", accepted=(7, 0) * 5, drafted=(7,) * 10)
+    batch = [steady, paused, young, erratic]
+    lengths = request_lengths(RequestWindows.of(batch), config, current=7, next_tier=15)
+    assert lengths.tolist() == [request_length(r, config, 7, 15) for r in batch]
+    assert lengths[0] == lengths[1] == 15 and lengths[2] == 0 and 0 < lengths[3] < 7
 
 
 def test_stability_climbs_when_runs_are_cut_off_by_the_depth():

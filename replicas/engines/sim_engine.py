@@ -248,7 +248,7 @@ class SimulatedEngine:
         accepted_pos = [0] * self.kmax
         if k:
             # Position p landed in every sequence-step whose run reached p + 1.
-            accepted_pos[:k] = reaching(np.zeros(len(ran), np.int64), ran, 1, k)[0].tolist()
+            accepted_pos[:k] = reaching(np.bincount(ran, minlength=k + 1)).tolist()
         for slot, entry in self._streams.items():
             entry.generated += int(tokens[slot])
             entry.queue.put_nowait(((0,) * int(tokens[slot]), bool(finished[slot])))
