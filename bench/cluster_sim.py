@@ -49,10 +49,12 @@ import argparse
 import asyncio
 import heapq
 import json
+import os
 import random
 import statistics
 import time
 from collections import Counter
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -552,18 +554,89 @@ def plot(runs: dict[int, dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def run_fleet(replicas: int, arrivals: list[Arrival], duration_s: float, modes: list[str],
-              args: argparse.Namespace, seed: int, verbose: bool,
-              switch_margin: float | None = None) -> dict[str, dict[str, Any]]:
-    results = {}
-    for mode in modes:
-        outcome = asyncio.run(simulate(mode, replicas, arrivals, duration_s,
-                                       args.slo_ttft, args.slo_tpot, seed, switch_margin))
-        results[mode] = summarise(outcome, replicas)
-        if verbose:
-            print(f"{replicas:4d} replicas {mode:16s} goodput {results[mode]['goodput']:9.0f} "
-                  f"tok/s  wall {outcome.wall_s:5.1f} s", flush=True)
-    return results
+@dataclass(frozen=True)
+class Run:
+    """One simulation: a mode on a fleet under one burst pattern. Plain values, so a worker
+    process can take it and build the arrivals itself (they are a function of these)."""
+
+    mode: str
+    replicas: int
+    duration_s: float
+    shape: LoadShape
+    seed: int
+    slo_ttft_s: float
+    slo_tpot_s: float
+    switch_margin: float | None = None
+
+
+def run_one(run: Run) -> dict[str, Any]:
+    arrivals = workload(run.replicas, run.duration_s, run.shape, run.seed)
+    outcome = asyncio.run(simulate(run.mode, run.replicas, arrivals, run.duration_s,
+                                   run.slo_ttft_s, run.slo_tpot_s, run.seed, run.switch_margin))
+    return summarise(outcome, run.replicas)
+
+
+def run_all(pool: Executor, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """Every table's simulations, fleet by fleet; each fleet's go to the pool at once (its
+    modes, other seeds, longer run and margins), so all its workers stay busy."""
+    modes = args.modes.split(",")
+    shape = LoadShape(rate_per_replica=args.rate, burst_factor=args.burst_factor)
+    runs: dict[int, dict[str, Any]] = {}
+    for replicas in args.replicas:
+        duration = args.duration or max(10.0, 480 / replicas)
+        complete, extra = set(MODES) <= set(modes), replicas <= args.seeds_up_to
+
+        def submit(modes: list[str], seed: int = args.seed, duration_s: float = duration,
+                   switch_margin: float | None = None, replicas: int = replicas
+                   ) -> dict[str, Future]:
+            return {mode: pool.submit(run_one, Run(mode, replicas, duration_s, shape, seed,
+                                                   args.slo_ttft, args.slo_tpot,
+                                                   switch_margin))
+                    for mode in modes}
+
+        first = submit(modes)
+        seeds = [submit(modes, seed) for seed in range(args.seed + 1, args.seed + args.seeds)
+                 ] if complete and extra else []
+        longer = submit(modes, duration_s=args.longer) if complete and \
+            args.longer > duration else {}
+        margins = {margin: submit(["goodput_routed"], switch_margin=float(margin))
+                   for margin in args.margins.split(",")} if complete and extra and \
+            args.margins else {}
+        results = {}
+        for mode, future in first.items():
+            results[mode] = result = future.result()
+            print(f"{replicas:4d} replicas {mode:16s} goodput {result['goodput']:9.0f} "
+                  f"tok/s  wall {result['wall_s']:5.1f} s", flush=True)
+        arrivals = workload(replicas, duration, shape, args.seed)
+        runs[replicas] = {"arrivals": len(arrivals), "duration_s": duration,
+                          "offered_tok_s_per_replica": sum(a.max_tokens for a in arrivals) /
+                          duration / replicas,
+                          "token_shares": token_shares(arrivals), "modes": results}
+        if not complete:
+            continue
+        runs[replicas]["verdicts"] = verdicts(results)
+        if seeds:
+            runs[replicas]["seed_verdicts"] = [runs[replicas]["verdicts"]] + [
+                verdicts(collect(futures)) for futures in seeds]
+        if longer:
+            longer_results = collect(longer)
+            runs[replicas]["longer"] = {"duration_s": args.longer, "modes": longer_results,
+                                        "verdicts": verdicts(longer_results)}
+        if margins:
+            runs[replicas]["margins"] = {margin: collect(futures)["goodput_routed"]
+                                         for margin, futures in margins.items()}
+    return runs
+
+
+def collect(futures: dict[str, Future]) -> dict[str, dict[str, Any]]:
+    return {mode: future.result() for mode, future in futures.items()}
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count")
+    return value
 
 
 def main() -> None:
@@ -588,41 +661,17 @@ def main() -> None:
                              "in all (other burst patterns) and report the verdicts' spread")
     parser.add_argument("--seeds-up-to", type=int, default=64)
     parser.add_argument("--longer", type=float, default=30.0,
-                        help="at the same fleets, when their default run is shorter, also run "
-                             "every mode over this many seconds of arrivals (0: no)")
+                        help="at every fleet whose default run is shorter, also run every mode "
+                             "over this many seconds of arrivals (0: no)")
     parser.add_argument("--margins", default="0.15,0.3,0.5",
-                        help="at the same fleets, also run goodput_routed with these switch "
-                             "margins (seed --seed): what fewer switches cost")
+                        help="at fleets up to --seeds-up-to replicas, also run goodput_routed "
+                             "with these switch margins (seed --seed): what fewer switches cost")
+    parser.add_argument("--jobs", type=positive, default=os.cpu_count() or 1,
+                        help="simulations run at once, one per worker process (each is "
+                             "single-threaded; default: one per core)")
     args = parser.parse_args()
-    modes = args.modes.split(",")
-    shape = LoadShape(rate_per_replica=args.rate, burst_factor=args.burst_factor)
-    runs: dict[int, dict[str, Any]] = {}
-    for replicas in args.replicas:
-        duration = args.duration or max(10.0, 480 / replicas)
-        arrivals = workload(replicas, duration, shape, args.seed)
-        results = run_fleet(replicas, arrivals, duration, modes, args, args.seed, verbose=True)
-        runs[replicas] = {"arrivals": len(arrivals), "duration_s": duration,
-                          "offered_tok_s_per_replica": sum(a.max_tokens for a in arrivals) /
-                          duration / replicas,
-                          "token_shares": token_shares(arrivals), "modes": results}
-        if set(MODES) <= set(modes):
-            runs[replicas]["verdicts"] = verdicts(results)
-            if replicas <= args.seeds_up_to and args.seeds > 1:
-                runs[replicas]["seed_verdicts"] = [runs[replicas]["verdicts"]] + [
-                    verdicts(run_fleet(replicas, workload(replicas, duration, shape, seed),
-                                       duration, modes, args, seed, verbose=False))
-                    for seed in range(args.seed + 1, args.seed + args.seeds)]
-            if replicas <= args.seeds_up_to and args.longer > duration:
-                longer = run_fleet(replicas, workload(replicas, args.longer, shape, args.seed),
-                                   args.longer, modes, args, args.seed, verbose=False)
-                runs[replicas]["longer"] = {"duration_s": args.longer, "modes": longer,
-                                            "verdicts": verdicts(longer)}
-            if replicas <= args.seeds_up_to and args.margins:
-                runs[replicas]["margins"] = {
-                    margin: run_fleet(replicas, arrivals, duration, ["goodput_routed"], args,
-                                      args.seed, verbose=False, switch_margin=float(margin)
-                                      )["goodput_routed"]
-                    for margin in args.margins.split(",")}
+    with ProcessPoolExecutor(args.jobs) as pool:
+        runs = run_all(pool, args)
     complete = {n: r for n, r in runs.items() if "verdicts" in r}
     text = report(complete) if complete else ""
     print(f"\nSIMULATOR preset {PRESET}; SLO: TTFT <= {args.slo_ttft} s and TPOT <= "

@@ -40,7 +40,8 @@ def class_counts(windows: RequestWindows, class_of: Mapping[str, str], width: in
     classes = [class_of.get(request_id, DEFAULT_CLASS) for request_id in windows.request_ids]
     names = sorted(set(classes))
     index = {name: i for i, name in enumerate(names)}
-    drafted, landed = position_counts(windows, np.array([index[c] for c in classes], np.int64),
+    drafted, landed = position_counts(*windows.clipped(width),
+                                      np.array([index[c] for c in classes], np.int64),
                                       len(names), width)
     return {name: (landed[i].tolist(), drafted[i].tolist()) for i, name in enumerate(names)
             if drafted[i, 0]}

@@ -290,10 +290,11 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
     Vectorised over requests (see `policies.outcomes`).
     """
     kmax, rows = len(landing), len(requests)
-    if not rows:
+    if not rows or not kmax:
         return None
+    drafted, landed = requests.clipped(kmax)
     # Per request and position k: steps that drafted k; steps that landed it.
-    reach, beyond = position_counts(requests, np.arange(rows), rows, kmax)
+    reach, beyond = position_counts(drafted, landed, np.arange(rows), rows, kmax)
     if not reach[:, 0].any():
         return None
     # Without a prior, a position a request never drafted has no evidence: the guess stands.
@@ -316,8 +317,9 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
     lengths = np.ones((kmax + 1, rows))  # L_r(K) for K = 0..kmax
     np.cumsum(rates, axis=0, out=lengths[1:])
     lengths[1:] += 1
-    tokens = requests.tokens
-    per_step = tokens.sum() / (tokens / lengths[np.minimum(ks, kmax)]).sum(axis=1)
+    tokens = landed.sum(axis=1) + requests.lengths  # a step: its landed drafts and one more
+    per_step = tokens.sum() / (tokens / lengths[np.minimum(np.asarray(ks, np.int64), kmax)]
+                               ).sum(axis=1)
     return dict(zip(ks, per_step.tolist(), strict=True))
 
 

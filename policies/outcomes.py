@@ -10,20 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from policies.signals import RequestWindows
 
-
-def position_counts(windows: RequestWindows, group: np.ndarray, groups: int, width: int
-                    ) -> tuple[np.ndarray, np.ndarray]:
+def position_counts(drafted: np.ndarray, landed: np.ndarray, group: np.ndarray, groups: int,
+                    width: int) -> tuple[np.ndarray, np.ndarray]:
     """([group, k], [group, k]) for k < `width`: the steps of each group's requests that
-    drafted position k, and those that landed it (`group`: each request's group, < `groups`).
-    Drafts beyond `width` are not counted."""
-    depth = np.minimum(windows.drafted, width)
-    landed = np.minimum(windows.accepted, depth)
+    drafted position k, and those that landed it, from `RequestWindows.clipped(width)` rows
+    (`group`: each row's group, < `groups`)."""
     # One histogram of values 0..width per group, drafted counts first, then landed ones.
-    bins = np.repeat(group * (width + 1), depth.shape[1])  # rows are contiguous in a ravel
+    bins = np.repeat(group * (width + 1), drafted.shape[1])  # rows are contiguous in a ravel
     histogram = np.bincount(
-        np.concatenate((bins + depth.ravel(), bins + landed.ravel() + groups * (width + 1))),
+        np.concatenate((bins + drafted.ravel(), bins + landed.ravel() + groups * (width + 1))),
         minlength=2 * groups * (width + 1)).reshape(2, groups, width + 1)
     counts = reaching(histogram)
     return counts[0], counts[1]

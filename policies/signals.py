@@ -59,10 +59,11 @@ class RequestWindows:
 
     def __post_init__(self) -> None:
         rows = len(self.request_ids)
-        if self.accepted.shape != self.drafted.shape or self.accepted.shape[0] != rows or \
-                self.lengths.shape != (rows,):
+        if self.accepted.ndim != 2 or self.accepted.shape != self.drafted.shape or \
+                self.accepted.shape[0] != rows or self.lengths.shape != (rows,) or \
+                not ((self.lengths >= 0) & (self.lengths <= self.accepted.shape[1])).all():
             raise ValueError(f"{rows} requests with accepted {self.accepted.shape}, drafted "
-                             f"{self.drafted.shape} and lengths {self.lengths.shape}")
+                             f"{self.drafted.shape} and lengths {self.lengths.tolist()}")
 
     @classmethod
     def of(cls, requests: Sequence[RequestAcceptance]) -> RequestWindows:
@@ -87,11 +88,13 @@ class RequestWindows:
             yield RequestAcceptance(request_id, tuple(self.accepted[row, width - length:].tolist()),
                                     tuple(self.drafted[row, width - length:].tolist()))
 
-    @property
-    def tokens(self) -> np.ndarray:
-        """Tokens each request made over its window: a verify step gives the accepted drafts
-        plus one token of the target's own."""
-        return self.accepted.sum(axis=1) + self.lengths
+    def clipped(self, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(drafted, accepted) with drafts beyond `width` left out and no more accepted than
+        drafted. vLLM's windows come from output deltas: when the reader falls behind, one
+        delta carries several steps' tokens, and its step looks like more accepted drafts
+        than the step offered."""
+        drafted = np.minimum(self.drafted, width)
+        return drafted, np.minimum(self.accepted, drafted)
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,7 @@ class Signals:
     accepted_per_pos: tuple[int, ...] = ()
     drafted_per_pos: tuple[int, ...] = ()
     step_costs: tuple[StepCost, ...] = ()
-    requests: RequestWindows = field(default_factory=RequestWindows)
+    requests: RequestWindows = field(default_factory=RequestWindows, compare=False)
     cluster: ClusterView | None = None
     now_s: float = 0.0
     max_batch: int | None = None

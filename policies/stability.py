@@ -68,9 +68,9 @@ def request_lengths(windows: RequestWindows, config: StabilityConfig, current: i
     recent = column >= columns - recent_steps[:, None]
     signal = np.where(kept, 1 - accepted / np.maximum(drafted, 1), 0.0)
     weights = config.weight ** (columns - 1 - column)
-    long_var = _weighted_variance(signal, weights * kept)
-    recent_var = _weighted_variance(signal, weights * recent)
-    wvir = np.where(long_var < 1e-6, 20.0, recent_var / np.where(long_var < 1e-6, 1, long_var))
+    long_var, recent_var = _weighted_variance(signal, np.stack((kept, recent)) * weights)
+    flat = long_var < 1e-6
+    wvir = np.divide(recent_var, long_var, out=np.full_like(long_var, 20.0), where=~flat)
     scale = np.exp(2 * signal.sum(axis=1, where=recent) / np.maximum(recent_steps, 1)
                    / config.temperature) - 1
     sl_max = np.maximum(1, np.max(accepted, axis=1, where=kept, initial=0))
@@ -84,10 +84,11 @@ def request_lengths(windows: RequestWindows, config: StabilityConfig, current: i
 
 
 def _weighted_variance(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Per row, the variance of `values` under `weights` (0 where a row has no weight)."""
-    total = np.maximum(weights.sum(axis=1), 1e-300)
-    mean = (weights * values).sum(axis=1) / total
-    return (weights * (values - mean[:, None]) ** 2).sum(axis=1) / total
+    """Along the last axis, the variance of `values` under `weights` (which may stack several
+    sets of weights in front); 0 where there is no weight."""
+    total = np.maximum(weights.sum(axis=-1), 1e-300)
+    mean = (weights * values).sum(axis=-1) / total
+    return (weights * (values - mean[..., None]) ** 2).sum(axis=-1) / total
 
 
 class StabilityPolicy:

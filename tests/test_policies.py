@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -203,7 +205,9 @@ def test_request_windows_hold_each_requests_outcomes_right_aligned():
     assert list(windows) == requests
     assert windows.accepted.tolist() == [[1, 0, 3], [0, 0, 2], [0, 0, 0]]
     assert windows.drafted.tolist() == [[3, 3, 3], [0, 0, 7], [0, 0, 0]]
-    assert windows.tokens.tolist() == [7, 3, 0]  # accepted drafts plus one token a step
+    drafted, accepted = RequestWindows.of(
+        [RequestAcceptance("merged", accepted=(5, 2), drafted=(3, 20))]).clipped(15)
+    assert drafted.tolist() == [[3, 15]] and accepted.tolist() == [[3, 2]]
     with pytest.raises(ValueError, match="lengths"):
         RequestWindows(("a",), np.zeros((1, 3), np.int64), np.zeros((1, 3), np.int64),
                        np.zeros(2, np.int64))
@@ -371,6 +375,52 @@ def test_stability_judges_each_request_by_its_own_drafting_steps():
     lengths = request_lengths(RequestWindows.of(batch), config, current=7, next_tier=15)
     assert lengths.tolist() == [request_length(r, config, 7, 15) for r in batch]
     assert lengths[0] == lengths[1] == 15 and lengths[2] == 0 and 0 < lengths[3] < 7
+
+
+def dsde_length(request: RequestAcceptance, config: StabilityConfig, current: int,
+                next_tier: int) -> int:
+    """The paper's computation one request at a time, in plain Python: the reference the
+    vectorised `request_lengths` must match (0: too little history)."""
+    pairs = [(a, d) for a, d in zip(request.accepted, request.drafted, strict=True) if d > 0]
+    pairs = pairs[-config.window:]
+    if len(pairs) < 3:
+        return 0
+
+    def weighted_variance(values: list[float]) -> float:
+        weights = [config.weight ** (len(values) - 1 - i) for i in range(len(values))]
+        mean = sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
+        return sum(w * (v - mean) ** 2 for w, v in zip(weights, values, strict=True)) / \
+            sum(weights)
+
+    signal = [1 - a / d for a, d in pairs]
+    recent = signal[-max(1, config.window // 3):] if len(signal) >= config.window // 3 \
+        else signal
+    long_var = weighted_variance(signal)
+    wvir = 20.0 if long_var < 1e-6 else weighted_variance(recent) / long_var
+    scale = math.exp(2 * (sum(recent) / len(recent)) / config.temperature) - 1
+    sl_max = max(1, max(a for a, _ in pairs))
+    if any(a >= d == current for a, d in pairs):
+        sl_max = max(sl_max, next_tier)
+    sl_min = math.ceil(0.1 * sl_max)
+    if wvir * scale <= 1:
+        return math.ceil((sl_max - sl_min) * (1 - wvir * scale) + sl_min)
+    return sl_min
+
+
+outcome = st.sampled_from([0, 1, 3, 7, 15]).flatmap(
+    lambda d: st.tuples(st.integers(0, d), st.just(d)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(outcome, max_size=30), max_size=6),
+       st.sampled_from([3, 10, 30, 45]), st.sampled_from([0.5, 0.9]),
+       st.sampled_from([(1, 3), (3, 7), (7, 15), (15, 15)]))
+def test_stability_lengths_match_the_per_request_computation(windows, window, weight, tiers):
+    config = StabilityConfig(window=window, weight=weight)
+    requests = [RequestAcceptance(f"r{i}", tuple(a for a, _ in w), tuple(d for _, d in w))
+                for i, w in enumerate(windows)]
+    lengths = request_lengths(RequestWindows.of(requests), config, *tiers)
+    assert lengths.tolist() == [dsde_length(r, config, *tiers) for r in requests]
 
 
 def test_stability_climbs_when_runs_are_cut_off_by_the_depth():
