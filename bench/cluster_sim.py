@@ -482,20 +482,22 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
             "shows)", ["replicas", "s of arrivals", *verdict_columns],
             [[n, f"{run['duration_s']:.0f}", *verdict_cells(run["modes"], run["verdicts"])]
              for n, run in longer.items()]))
-    spread = {n: r["seed_verdicts"] for n, r in runs.items() if "seed_verdicts" in r}
+    spread = [(n, r["duration_s"], r["seed_verdicts"])
+              for n, r in [*runs.items(), *longer.items()] if "seed_verdicts" in r]
     if spread:
         def summary(values: list[float]) -> str:
             return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
         parts.append(print_table(
             "THE SAME ACROSS BURST PATTERNS (seeds; median, min-max)",
-            ["replicas", "seeds", "cluster / best local", "cluster / best static",
-             "ema switches / cluster's", "the same, steady window", "oracle K / best local"],
-            [[n, len(vs), summary([v["cluster_vs_best_local"] for v in vs]),
+            ["replicas", "s of arrivals", "seeds", "cluster / best local",
+             "cluster / best static", "ema switches / cluster's", "the same, steady window",
+             "oracle K / best local"],
+            [[n, f"{duration:.0f}", len(vs), summary([v["cluster_vs_best_local"] for v in vs]),
               summary([v["cluster_vs_best_static"] for v in vs]),
               summary([v["ema_switches_vs_cluster"] for v in vs]),
               summary([v["ema_steady_switches_vs_cluster"] for v in vs]),
-              summary([v["oracle_vs_best_local"] for v in vs])] for n, vs in spread.items()]))
+              summary([v["oracle_vs_best_local"] for v in vs])] for n, duration, vs in spread]))
     margins = {n: r for n, r in runs.items() if "margins" in r}
     if margins:
         default = GoodputConfig.model_fields["switch_margin"].default
@@ -594,11 +596,13 @@ def run_all(pool: Executor, args: argparse.Namespace) -> dict[int, dict[str, Any
                                                    switch_margin))
                     for mode in modes}
 
+        other_seeds = range(args.seed + 1, args.seed + args.seeds) if complete and extra else ()
         first = submit(modes)
-        seeds = [submit(modes, seed) for seed in range(args.seed + 1, args.seed + args.seeds)
-                 ] if complete and extra else []
-        longer = submit(modes, duration_s=args.longer) if complete and \
-            args.longer > duration else {}
+        seeds = [submit(modes, seed) for seed in other_seeds]
+        lengthen = complete and args.longer > duration
+        longer = submit(modes, duration_s=args.longer) if lengthen else {}
+        longer_seeds = [submit(modes, seed, args.longer) for seed in other_seeds] \
+            if lengthen else []
         margins = {margin: submit(["goodput_routed"], switch_margin=float(margin))
                    for margin in args.margins.split(",")} if complete and extra and \
             args.margins else {}
@@ -622,6 +626,10 @@ def run_all(pool: Executor, args: argparse.Namespace) -> dict[int, dict[str, Any
             longer_results = collect(longer)
             runs[replicas]["longer"] = {"duration_s": args.longer, "modes": longer_results,
                                         "verdicts": verdicts(longer_results)}
+            if longer_seeds:
+                runs[replicas]["longer"]["seed_verdicts"] = \
+                    [runs[replicas]["longer"]["verdicts"]] + \
+                    [verdicts(collect(futures)) for futures in longer_seeds]
         if margins:
             runs[replicas]["margins"] = {margin: collect(futures)["goodput_routed"]
                                          for margin, futures in margins.items()}
@@ -658,7 +666,8 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=Path("bench/results/cluster_sim.png"))
     parser.add_argument("--seeds", type=int, default=5,
                         help="at fleets up to --seeds-up-to replicas, also run this many seeds "
-                             "in all (other burst patterns) and report the verdicts' spread")
+                             "in all (other burst patterns), over the longer run too, and "
+                             "report the verdicts' spread")
     parser.add_argument("--seeds-up-to", type=int, default=64)
     parser.add_argument("--longer", type=float, default=30.0,
                         help="at every fleet whose default run is shorter, also run every mode "

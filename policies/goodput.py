@@ -293,16 +293,16 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
     if not rows or not kmax:
         return None
     drafted, landed = requests.clipped(kmax)
+    drafted_to = int(drafted.max(initial=0))  # positions some request drafted
+    if not drafted_to:
+        return None
     # Per request and position k: steps that drafted k; steps that landed it.
     reach, beyond = position_counts(drafted, landed, np.arange(rows), rows, kmax)
-    if not reach[:, 0].any():
-        return None
     # Without a prior, a position a request never drafted has no evidence: the guess stands.
     weight = reach + prior_strength if prior_strength else np.maximum(reach, 1)
     # The replica's conditional rate at each position past the first.
     conditional = [0.0] + [min(1.0, landing[k] / landing[k - 1]) if landing[k - 1] > 0
                            else 0.0 for k in range(1, kmax)]
-    drafted_to = int(np.flatnonzero(reach.any(axis=0))[-1]) + 1  # positions some request drafted
     rates = np.empty((kmax, rows))  # r_k per position (rows) and request (columns)
     rate = 1.0
     for k in range(drafted_to):
@@ -318,8 +318,7 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
     np.cumsum(rates, axis=0, out=lengths[1:])
     lengths[1:] += 1
     tokens = landed.sum(axis=1) + requests.lengths  # a step: its landed drafts and one more
-    per_step = tokens.sum() / (tokens / lengths[np.minimum(np.asarray(ks, np.int64), kmax)]
-                               ).sum(axis=1)
+    per_step = tokens.sum() / (tokens / lengths[[min(k, kmax) for k in ks]]).sum(axis=1)
     return dict(zip(ks, per_step.tolist(), strict=True))
 
 
