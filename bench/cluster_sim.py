@@ -578,61 +578,64 @@ def run_one(run: Run) -> dict[str, Any]:
     return summarise(outcome, run.replicas)
 
 
+def submit(pool: Executor, args: argparse.Namespace, shape: LoadShape, replicas: int,
+           modes: list[str], seed: int, duration_s: float,
+           switch_margin: float | None = None) -> dict[str, Future]:
+    """Queue one simulation per mode; their summaries come back as the futures complete."""
+    return {mode: pool.submit(run_one, Run(mode, replicas, duration_s, shape, seed,
+                                           args.slo_ttft, args.slo_tpot, switch_margin))
+            for mode in modes}
+
+
 def run_all(pool: Executor, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
-    """Every table's simulations, fleet by fleet; each fleet's go to the pool at once (its
-    modes, other seeds, longer run and margins), so all its workers stay busy."""
+    """Every table's simulations, fleet by fleet; a fleet's all go to the pool at once (its
+    modes, the other seeds, the longer run and the margins)."""
     modes = args.modes.split(",")
     shape = LoadShape(rate_per_replica=args.rate, burst_factor=args.burst_factor)
     runs: dict[int, dict[str, Any]] = {}
     for replicas in args.replicas:
         duration = args.duration or max(10.0, 480 / replicas)
-        complete, extra = set(MODES) <= set(modes), replicas <= args.seeds_up_to
-
-        def submit(modes: list[str], seed: int = args.seed, duration_s: float = duration,
-                   switch_margin: float | None = None, replicas: int = replicas
-                   ) -> dict[str, Future]:
-            return {mode: pool.submit(run_one, Run(mode, replicas, duration_s, shape, seed,
-                                                   args.slo_ttft, args.slo_tpot,
-                                                   switch_margin))
-                    for mode in modes}
-
-        other_seeds = range(args.seed + 1, args.seed + args.seeds) if complete and extra else ()
-        first = submit(modes)
-        seeds = [submit(modes, seed) for seed in other_seeds]
-        lengthen = complete and args.longer > duration
-        longer = submit(modes, duration_s=args.longer) if lengthen else {}
-        longer_seeds = [submit(modes, seed, args.longer) for seed in other_seeds] \
-            if lengthen else []
-        margins = {margin: submit(["goodput_routed"], switch_margin=float(margin))
-                   for margin in args.margins.split(",")} if complete and extra and \
-            args.margins else {}
+        every_mode = set(MODES) <= set(modes)  # the verdict tables need them all
+        with_extras = every_mode and replicas <= args.seeds_up_to
+        run_longer = every_mode and args.longer > duration
+        other_seeds = range(args.seed + 1, args.seed + args.seeds) if with_extras else ()
+        default = submit(pool, args, shape, replicas, modes, args.seed, duration)
+        seeds = [submit(pool, args, shape, replicas, modes, seed, duration) for seed in other_seeds]
+        longer, longer_seeds = {}, []
+        if run_longer:
+            longer = submit(pool, args, shape, replicas, modes, args.seed, args.longer)
+            longer_seeds = [submit(pool, args, shape, replicas, modes, seed, args.longer)
+                            for seed in other_seeds]
+        margins = {}
+        if with_extras and args.margins:
+            margins = {margin: submit(pool, args, shape, replicas, ["goodput_routed"], args.seed,
+                                      duration, float(margin))
+                       for margin in args.margins.split(",")}
         results = {}
-        for mode, future in first.items():
+        for mode, future in default.items():
             results[mode] = result = future.result()
             print(f"{replicas:4d} replicas {mode:16s} goodput {result['goodput']:9.0f} "
                   f"tok/s  wall {result['wall_s']:5.1f} s", flush=True)
         arrivals = workload(replicas, duration, shape, args.seed)
-        runs[replicas] = {"arrivals": len(arrivals), "duration_s": duration,
-                          "offered_tok_s_per_replica": sum(a.max_tokens for a in arrivals) /
-                          duration / replicas,
-                          "token_shares": token_shares(arrivals), "modes": results}
-        if not complete:
+        runs[replicas] = run = {
+            "arrivals": len(arrivals), "duration_s": duration,
+            "offered_tok_s_per_replica": sum(a.max_tokens for a in arrivals) / duration /
+            replicas, "token_shares": token_shares(arrivals), "modes": results}
+        if not every_mode:
             continue
-        runs[replicas]["verdicts"] = verdicts(results)
+        run["verdicts"] = verdicts(results)
         if seeds:
-            runs[replicas]["seed_verdicts"] = [runs[replicas]["verdicts"]] + [
-                verdicts(collect(futures)) for futures in seeds]
+            run["seed_verdicts"] = [run["verdicts"]] + [verdicts(collect(f)) for f in seeds]
         if longer:
             longer_results = collect(longer)
-            runs[replicas]["longer"] = {"duration_s": args.longer, "modes": longer_results,
-                                        "verdicts": verdicts(longer_results)}
+            run["longer"] = {"duration_s": args.longer, "modes": longer_results,
+                             "verdicts": verdicts(longer_results)}
             if longer_seeds:
-                runs[replicas]["longer"]["seed_verdicts"] = \
-                    [runs[replicas]["longer"]["verdicts"]] + \
-                    [verdicts(collect(futures)) for futures in longer_seeds]
+                run["longer"]["seed_verdicts"] = [run["longer"]["verdicts"]] + [
+                    verdicts(collect(f)) for f in longer_seeds]
         if margins:
-            runs[replicas]["margins"] = {margin: collect(futures)["goodput_routed"]
-                                         for margin, futures in margins.items()}
+            run["margins"] = {margin: collect(f)["goodput_routed"]
+                              for margin, f in margins.items()}
     return runs
 
 
@@ -680,7 +683,11 @@ def main() -> None:
                              "single-threaded; default: one per core)")
     args = parser.parse_args()
     with ProcessPoolExecutor(args.jobs) as pool:
-        runs = run_all(pool, args)
+        try:
+            runs = run_all(pool, args)
+        except BaseException:  # a failed run or Ctrl-C: do not wait for the queued ones
+            pool.shutdown(cancel_futures=True)
+            raise
     complete = {n: r for n, r in runs.items() if "verdicts" in r}
     text = report(complete) if complete else ""
     print(f"\nSIMULATOR preset {PRESET}; SLO: TTFT <= {args.slo_ttft} s and TPOT <= "
