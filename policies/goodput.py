@@ -360,7 +360,8 @@ class GoodputPolicy:
     def scores(self, signals: Signals, rates: list[float]) -> dict[int, float]:
         """Expected tokens/s per candidate (empty until some step cost is known)."""
         batch = self._batch(signals)
-        landing = [self.draft_share * rate for rate in rates]
+        share = self.draft_share
+        landing = [share * rate for rate in rates]
         lengths = steady_lengths(signals.requests, landing, self.config.prior_strength,
                                  self.candidates)
         if lengths is None:  # no per-request outcomes: the batch's mean as it is now

@@ -25,6 +25,7 @@ Differences, said plainly:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -58,16 +59,19 @@ def request_lengths(windows: RequestWindows, config: StabilityConfig, current: i
     columns = windows.drafted.shape[1]
     column = np.arange(columns)
     drafting = windows.drafted > 0
-    # Move each row's drafting steps to its end, in order (K=0 steps carry no signal).
-    order = np.argsort(np.where(drafting, column, -1), axis=1, kind="stable")
-    accepted = np.take_along_axis(windows.accepted, order, axis=1)
-    drafted = np.take_along_axis(windows.drafted, order, axis=1)
-    steps = np.minimum(drafting.sum(axis=1), config.window)
-    recent_steps = np.where(steps >= config.window // 3, max(1, config.window // 3), steps)
+    drafting_steps = drafting.sum(axis=1)
+    accepted, drafted = windows.accepted, windows.drafted
+    if not (drafting == (column >= columns - drafting_steps[:, None])).all():
+        # Move each row's drafting steps to its end, in order (K=0 steps carry no signal).
+        order = np.argsort(np.where(drafting, column, -1), axis=1, kind="stable")
+        accepted = np.take_along_axis(accepted, order, axis=1)
+        drafted = np.take_along_axis(drafted, order, axis=1)
+    steps = np.minimum(drafting_steps, config.window)
+    recent_steps = np.minimum(steps, config.window // 3)  # the last N/3 (all when fewer)
     kept = column >= columns - steps[:, None]
     recent = column >= columns - recent_steps[:, None]
-    signal = np.where(kept, 1 - accepted / np.maximum(drafted, 1), 0.0)
-    weights = config.weight ** (columns - 1 - column)
+    signal = 1 - accepted / np.maximum(drafted, 1)  # read only through the masks above
+    weights = _newest_heaviest(config.weight, columns)
     long_var, recent_var = _weighted_variance(signal, np.stack((kept, recent)) * weights)
     flat = long_var < 1e-6
     wvir = np.divide(recent_var, long_var, out=np.full_like(long_var, 20.0), where=~flat)
@@ -81,6 +85,15 @@ def request_lengths(windows: RequestWindows, config: StabilityConfig, current: i
     lengths = np.where(unstable <= 1, np.ceil((sl_max - sl_min) * (1 - unstable) + sl_min),
                        sl_min)
     return np.where(steps >= 3, lengths, 0).astype(np.int64)
+
+
+@functools.lru_cache(maxsize=16)
+def _newest_heaviest(weight: float, columns: int) -> np.ndarray:
+    """Geometric weights over right-aligned columns, the newest (last) 1; shared between
+    calls, so read-only."""
+    weights = weight ** np.arange(columns - 1, -1, -1, dtype=np.float64)
+    weights.flags.writeable = False
+    return weights
 
 
 def _weighted_variance(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
