@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from policies.class_acceptance import Rates, fleet_average
+from policies.class_acceptance import Rates, fleet_average, fleet_fresh
 
 # A replica that has not pushed for this long is dropped from the view (dead or restarting).
 STALE_AFTER_S = 3.0
@@ -46,6 +46,7 @@ class ClusterState:
         # router id -> (when reported, {replica id: requests in flight from that router})
         self._routed: dict[str, tuple[float, dict[str, int]]] = {}
         self._class_acceptance: dict[str, Rates] = {}
+        self._class_fresh: dict[str, int] = {}
         self._refreshed_at = float("-inf")
 
     def report_routed(self, router_id: str, in_flight: dict[str, int],
@@ -63,7 +64,9 @@ class ClusterState:
         """Record one replica's stats and return its cluster view.
 
         `stats` holds at least: running, waiting, ongoing, active_k, and per-position
-        `window_accepted` / `window_drafted` counts since its previous push.
+        `window_accepted` / `window_drafted` counts since its previous push; optionally
+        `class_acceptance` (class -> p[k]) and `class_fresh` (class -> leading positions
+        measured in its last periods), see `policies.class_acceptance`.
         """
         now = time.monotonic() if now is None else now
         self.replicas[replica_id] = stats
@@ -91,6 +94,8 @@ class ClusterState:
         self.expire(now)
         self._class_acceptance = fleet_average(stats.get("class_acceptance") or {}
                                                for stats in self.replicas.values())
+        self._class_fresh = fleet_fresh(stats.get("class_fresh") or {}
+                                        for stats in self.replicas.values())
 
     def expire(self, now: float) -> list[str]:
         gone = [rid for rid, seen in self._seen_at.items() if now - seen > self.stale_after_s]
@@ -127,6 +132,7 @@ class ClusterState:
             "routed": routed,
             "acceptance_prior": self.acceptance_prior(),
             "class_acceptance": self._class_acceptance,
+            "class_fresh": self._class_fresh,
             "policy_override": self.policy_override,
         }
 

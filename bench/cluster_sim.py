@@ -64,7 +64,7 @@ from app.telemetry_hub import ClusterState
 from bench.policy_replay import CANDIDATES
 from bench.policy_replay import policy_config as replay_policy_config
 from bench.report import print_table
-from policies.class_acceptance import ClassAcceptance, Rates, class_counts
+from policies.class_acceptance import ClassAcceptance, ClassPrior, class_counts
 from policies.goodput import GoodputConfig
 from policies.registry import build_policy
 from policies.signals import ClusterView, Decision, Signals
@@ -168,7 +168,7 @@ class SimReplica:
     window_drafted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
     cluster: Any = None
 
-    def class_prior(self) -> Rates:
+    def class_prior(self) -> ClassPrior:
         """As the replica deployment: what its requests' classes showed before."""
         return self.classes.prior(self.in_flight_classes)
 
@@ -183,7 +183,8 @@ class SimReplica:
         stats = {"running": counters.running, "waiting": counters.waiting,
                  "ongoing": self.load, "active_k": self.pool.active_k,
                  "window_accepted": self.window_accepted, "window_drafted": self.window_drafted,
-                 "class_acceptance": dict(self.classes.own)}
+                 "class_acceptance": dict(self.classes.own),
+                 "class_fresh": self.classes.own_fresh}
         self.window_accepted = [0] * max(CANDIDATES)
         self.window_drafted = [0] * max(CANDIDATES)
         if self.learns_classes:  # as the replica deployment: from its requests' windows
@@ -371,6 +372,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                 view = hub.push(replica.replica_id, replica.telemetry(), now=now)
                 replica.cluster = ClusterView.from_hub(view, replica.load)
                 replica.classes.fleet = view["class_acceptance"]
+                replica.classes.fleet_fresh = view["class_fresh"]
             if arrivals_left or any(r.in_flight for r in fleet):
                 schedule(now + TELEMETRY_PERIOD_S, "hub", 0)
     outcome.switches = sum(r.pool.switch_count for r in fleet)

@@ -7,6 +7,11 @@ hub, which averages the fleet's per class. The replica's policy then sees the mi
 requests it now holds (the fleet's rates for each class, else its own) as its acceptance prior
 and, at K=0 where nothing is drafted, as its only hint that drafts would land.
 
+Each class's rates also say how deep they are fresh: the leading positions some replica
+measured within the last `FRESH_PERIODS` telemetry periods. A replica whose classes' next
+positions another replica measured just now need not run a deeper tier itself to measure them:
+one replica's probe serves every replica holding that class.
+
 Why per class rather than one fleet-wide prior: under class-gathering routing a replica serves
 mostly one class, and the fleet's mean describes the others. A chat-like replica in a
 copy-heavy fleet saw deep positions priced at the copy traffic's acceptance, switched to a deep
@@ -16,6 +21,7 @@ K, measured it, and switched back.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,6 +35,18 @@ WEIGHT_NEW = 0.3
 """Weight of a telemetry period's fresh rate in the decayed one (about the last 3 periods)."""
 DEFAULT_CLASS = "default"
 """The class of a request that entered without one."""
+FRESH_PERIODS = 8
+"""A measured position stays fresh this many telemetry periods (4 s at the app's 0.5 s, about
+the steps `goodput` waits between probes at 16 ms a step)."""
+
+
+class ClassPrior(NamedTuple):
+    """What the classes of the requests on a replica showed before (see `mixture`)."""
+
+    rates: Rates = ()
+    fresh: int = 0
+    """Leading positions of `rates` that some replica measured, for every class weighed,
+    within the last `FRESH_PERIODS` telemetry periods."""
 
 
 def class_counts(windows: RequestWindows, class_of: Mapping[str, str], width: int
@@ -84,6 +102,23 @@ def mixture(requests_per_class: Mapping[str, int], own: Mapping[str, Rates],
                  for k in range(width))
 
 
+def fresh_depth(requests_per_class: Mapping[str, int], own: Mapping[str, int],
+                fleet: Mapping[str, int]) -> int:
+    """Leading positions freshly measured for every class held (by this replica or any)."""
+    held = [max(own.get(c, 0), fleet.get(c, 0)) for c, count in requests_per_class.items()
+            if count > 0]
+    return min(held, default=0)
+
+
+def fleet_fresh(reports: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Per class, the deepest fresh measurement any replica reports (the hub's view)."""
+    deepest: dict[str, int] = {}
+    for report in reports:
+        for request_class, depth in report.items():
+            deepest[request_class] = max(depth, deepest.get(request_class, 0))
+    return deepest
+
+
 def fleet_average(reports: Iterable[Mapping[str, Rates]]) -> dict[str, Rates]:
     """Per class and position, the mean over the replicas that measured it (the hub's view)."""
     sums: dict[str, list[list[float]]] = {}  # class -> per position [total, replicas]
@@ -98,18 +133,40 @@ def fleet_average(reports: Iterable[Mapping[str, Rates]]) -> dict[str, Rates]:
 
 
 class ClassAcceptance:
-    """One replica's per-class rates (`own`, what it pushes) and the fleet's (from the hub)."""
+    """One replica's per-class rates (`own`, what it pushes) and the fleet's (from the hub),
+    each with its fresh depth (`own_fresh`, `fleet_fresh`)."""
 
     def __init__(self) -> None:
         self.own: dict[str, Rates] = {}
         self.fleet: dict[str, Rates] = {}
+        self.fleet_fresh: dict[str, int] = {}
+        self._period = 0
+        self._measured: dict[str, list[int]] = {}  # class -> period each position was measured
 
     def observe(self, counts: Mapping[str, tuple[Sequence[float], Sequence[float]]]) -> None:
         """One period's (accepted, drafted) per position for each class that drafted."""
+        self._period += 1
         for request_class, (accepted, drafted) in counts.items():
             fresh = rates_from_counts(accepted, drafted)
             if fresh:
                 self.own[request_class] = blend_rates(self.own.get(request_class), fresh)
+                measured = self._measured.setdefault(request_class, [])
+                measured.extend([0] * (len(fresh) - len(measured)))
+                measured[:len(fresh)] = [self._period] * len(fresh)
 
-    def prior(self, requests_per_class: Mapping[str, int]) -> Rates:
-        return mixture(requests_per_class, self.own, self.fleet)
+    @property
+    def own_fresh(self) -> dict[str, int]:
+        """Per class, the leading positions this replica measured in the last periods."""
+        depths = {}
+        for request_class, measured in self._measured.items():
+            depth = 0
+            while depth < len(measured) and self._period - measured[depth] < FRESH_PERIODS:
+                depth += 1
+            if depth:
+                depths[request_class] = depth
+        return depths
+
+    def prior(self, requests_per_class: Mapping[str, int]) -> ClassPrior:
+        rates = mixture(requests_per_class, self.own, self.fleet)
+        fresh = fresh_depth(requests_per_class, self.own_fresh, self.fleet_fresh)
+        return ClassPrior(rates, min(fresh, len(rates)))

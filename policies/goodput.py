@@ -14,7 +14,9 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   estimate stays unbiased when K changes; positions never drafted are filled from a prior (what
   the request classes now on the replica showed before, else the cluster's mean), else
   extrapolated geometrically. The class prior comes first: under class-gathering routing the
-  cluster's mean describes other classes' traffic.
+  cluster's mean describes other classes' traffic. The prior lends its conditional rates
+  p[k] / p[k-1], carried on from this replica's own p[k-1], not its absolute ones (see
+  `_continue`).
 - Nothing measures positions deeper than the current K: at K=0 nothing shows that drafts
   started to land again, and at a shallow K the geometric extrapolation undersells drafters
   whose acceptance comes in runs (prompt lookup: a copied span lands whole). So after
@@ -23,7 +25,11 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   switches per interval; nothing else switches during a dwell). At K=0 the request classes
   now on the replica are a hint too: when their past acceptance (the fleet's, else this
   replica's) says the smallest tier would win, the policy measures it at once instead of
-  waiting out the interval. No prior replaces the probe: a class's traffic may change.
+  waiting out the interval. An old prior does not replace the probe (a class's traffic may
+  change), a fresh one does: when another replica measured the next tier's positions for the
+  request classes now here within the last few telemetry periods (`class_prior_fresh`), the
+  probe would only repeat it, so the fleet probes a class about once an interval instead of
+  once per replica.
 - A batch that mixes requests whose drafts land with requests whose drafts fail is scored by
   its steady state, from the per-request outcomes an engine reports (vLLM's and the
   simulator do; see `steady_lengths`): 1 + q * sum p[k] is the mean over the batch as it is
@@ -256,12 +262,17 @@ class AcceptanceWindow:
             return False
         return abs(accepted[0] / fresh - self.accepted[0] / past) > self.shift_threshold
 
+    def uses_prior(self, prior: tuple[float, ...]) -> bool:
+        """False while the prior is set aside: just after a shift, or when this replica's
+        own first position contradicts it."""
+        return bool(prior) and not self._prior_paused and not self._contradicts(prior)
+
     def rates(self, prior: tuple[float, ...]) -> list[float]:
-        if self._prior_paused or self._contradicts(prior):
+        if not self.uses_prior(prior):
             prior = ()
         rates: list[float] = []
         for k in range(len(self.accepted)):
-            guess = prior[k] if k < len(prior) else _extrapolate(rates)
+            guess = _continue(rates, prior, k)
             weight = self.drafted[k] + self.prior_strength
             rate = (self.accepted[k] + self.prior_strength * guess) / weight if weight else guess
             # Acceptance is a prefix: more than k accepted implies more than k-1 accepted.
@@ -320,6 +331,22 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
     tokens = landed.sum(axis=1) + requests.lengths  # a step: its landed drafts and one more
     per_step = tokens.sum() / (tokens / lengths[[min(k, kmax) for k in ks]]).sum(axis=1)
     return dict(zip(ks, per_step.tolist(), strict=True))
+
+
+def _continue(rates: list[float], prior: tuple[float, ...], k: int) -> float:
+    """The guess for p[k] given this replica's rates before it: the prior's conditional
+    rate p[k] / p[k-1] applied to this replica's own p[k-1] (equal to prior[k] while the
+    replica has measured nothing), else the geometric extrapolation.
+
+    Anchored, not the prior's p[k] itself: the fleet's deep positions are measured by the
+    replicas that chose to draft deep, where drafts landed best, so its absolute rates there
+    run above what a replica that measured less at the first positions will see (a K=1
+    replica priced K=3 at the fleet's rates, switched, measured less and switched back)."""
+    if k >= len(prior):
+        return _extrapolate(rates)
+    if not rates:
+        return prior[0]
+    return rates[-1] * min(1.0, prior[k] / prior[k - 1]) if prior[k - 1] > 0 else 0.0
 
 
 def _extrapolate(rates: list[float]) -> float:
@@ -411,7 +438,8 @@ class GoodputPolicy:
                             inputs)
         interval = self.config.probe_interval_steps
         if deeper and self._steps_on_tier >= interval and \
-                self._steps - self._last_drafted[deeper[0] - 1] >= interval:
+                self._steps - self._last_drafted[deeper[0] - 1] >= interval and \
+                not self._fleet_measured(signals, deeper[0]):
             self._steps_on_tier = 0
             return Decision(deeper[0], "probe: measure the next tier's positions", inputs)
         if best != current and scores[best] > scores[current] * (1 + self.config.switch_margin):
@@ -419,6 +447,13 @@ class GoodputPolicy:
             return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",
                             inputs)
         return Decision(current, "current tier is within the margin of the best", inputs)
+
+    def _fleet_measured(self, signals: Signals, tier: int) -> bool:
+        """Whether other replicas measured `tier`'s positions for these request classes just
+        now, and the prior built from them is in use: then a probe here would only repeat
+        their measurement."""
+        return signals.class_prior_fresh >= tier and \
+            self.acceptance.uses_prior(signals.class_prior)
 
     def _classes_expect_drafts(self, signals: Signals, scores: dict[int, float],
                                tier: int) -> bool:

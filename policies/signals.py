@@ -149,6 +149,9 @@ class Signals:
     class statistics, else the replica's own; see `policies.class_acceptance`); empty when no class
     is known. The policy's acceptance prior, and its only hint at K=0, where nothing is
     drafted."""
+    class_prior_fresh: int = 0
+    """Leading positions of `class_prior` that some replica measured within the last few
+    telemetry periods: evidence as fresh as a probe of them here would give."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from policies.base import Policy
+from policies.class_acceptance import ClassPrior
 from policies.signals import ClusterView, Decision, RequestWindows, Signals, StepCost
 from replicas.engines.base import Engine, StepRecord, add_per_position
 from replicas.tier_pool import TierPool, TierSwitch
@@ -22,7 +23,7 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
                cluster: ClusterView | None = None,
                requests: RequestWindows | None = None, now_s: float = 0.0,
                max_batch: int | None = None,
-               class_prior: tuple[float, ...] = ()) -> Signals:
+               class_prior: ClassPrior | None = None) -> Signals:
     """Sum a window of step records into Signals; per-position counts padded to max K."""
     width = max(candidates)
     accepted, drafted = [0] * width, [0] * width
@@ -30,6 +31,7 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         add_per_position(accepted, step.accepted_per_pos)
         add_per_position(drafted, step.drafted_per_pos)
     last = steps[-1] if steps else None
+    class_prior = class_prior or ClassPrior()
     return Signals(
         candidates=candidates, current_k=current_k, steps=len(steps),
         running=last.running if last else 0, waiting=last.waiting if last else 0,
@@ -42,7 +44,7 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
                          if s.wall_s > 0 and s.running > 0),
         requests=RequestWindows() if requests is None else requests, cluster=cluster,
         now_s=now_s, max_batch=max_batch,
-        class_prior=class_prior)
+        class_prior=class_prior.rates, class_prior_fresh=class_prior.fresh)
 
 
 @dataclass
@@ -59,7 +61,7 @@ class ControlLoop:
     def __init__(self, engine: Engine, pool: TierPool, policy: Policy,
                  decide_every_steps: int = 4,
                  max_batch: int | None = None,
-                 class_prior: Callable[[], tuple[float, ...]] | None = None):
+                 class_prior: Callable[[], ClassPrior] | None = None):
         self.engine = engine
         self.pool = pool
         self.policy = policy
@@ -85,7 +87,7 @@ class ControlLoop:
             return steps, None, None
         requests = self._request_acceptance() if self._request_acceptance and \
             self.policy.reads_requests else None
-        class_prior = self._class_prior() if self._class_prior else ()
+        class_prior = self._class_prior() if self._class_prior else None
         signals = fold_steps(self._pending, self.pool.candidates, self.pool.active_k,
                              cluster, requests, time.monotonic(), self.max_batch, class_prior)
         self._pending = []

@@ -21,7 +21,7 @@ from ray import serve
 
 from observability import tracing
 from observability.metrics import ReplicaMetrics
-from policies.class_acceptance import DEFAULT_CLASS, ClassAcceptance, Rates, class_counts
+from policies.class_acceptance import DEFAULT_CLASS, ClassAcceptance, ClassPrior, class_counts
 from policies.registry import build_policy, parse_policy_config
 from policies.signals import ClusterView, Decision
 from replicas.control_loop import ControlLoop
@@ -220,6 +220,7 @@ class EngineReplica:
         # The per-class acceptance goes to the hub (the fleet's class hint), not to routers.
         self._hub_call = asyncio.ensure_future(self._hub.push.remote(
             self.replica_id, {**stats, "class_acceptance": dict(self._classes.own),
+                              "class_fresh": self._classes.own_fresh,
                               "window_accepted": accepted, "window_drafted": drafted}))
 
     async def _first_view(self) -> None:
@@ -235,6 +236,7 @@ class EngineReplica:
         self.cluster = ClusterView.from_hub(view, max(self.ongoing,
                                                       counters.running + counters.waiting))
         self._classes.fleet = view.get("class_acceptance") or {}
+        self._classes.fleet_fresh = view.get("class_fresh") or {}
         override = view.get("policy_override")
         if override and override["issued_at"] > self._applied_issued_at:
             # A fleet-wide change made while this replica was away (or before it started).
@@ -295,7 +297,7 @@ class EngineReplica:
             self._classes.observe(class_counts(provider(), self._request_class,
                                                self.engine.kmax))
 
-    def _class_prior(self) -> Rates:
+    def _class_prior(self) -> ClassPrior:
         """What the classes of the requests on this replica showed before."""
         return self._classes.prior(Counter(self._request_class.values()))
 

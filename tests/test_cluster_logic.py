@@ -19,6 +19,7 @@ from app.router import (
 )
 from app.telemetry_hub import PRIOR_DECAY, ClusterState
 from policies.class_acceptance import (
+    FRESH_PERIODS,
     ClassAcceptance,
     blend_rates,
     class_counts,
@@ -125,6 +126,29 @@ def test_hub_averages_each_class_per_position_over_the_replicas_that_measured_it
     assert fleet_average([]) == {}
 
 
+def test_hub_tells_each_class_the_deepest_positions_any_replica_measured_lately():
+    state = ClusterState()
+    state.push("a", {"class_fresh": {"greedy": 3, "sampled": 1}}, now=0.0)
+    view = state.push("b", {"class_fresh": {"greedy": 1}}, now=1.0)
+    assert view["class_fresh"] == {"greedy": 3, "sampled": 1}
+
+
+def test_class_positions_stay_fresh_for_a_few_periods_and_the_prior_takes_the_shallowest():
+    classes = ClassAcceptance()
+    classes.observe({"copy": ([8, 6, 4], [10, 10, 10])})  # K=3 measured three positions
+    classes.observe({"copy": ([8], [10]), "chat": ([3], [10])})  # then K=1: one
+    assert classes.own_fresh == {"copy": 3, "chat": 1}
+    for _ in range(FRESH_PERIODS):
+        classes.observe({"copy": ([8], [10])})
+    assert classes.own_fresh == {"copy": 1}, "positions 2-3 and chat went stale"
+    classes.fleet = {"chat": (0.3, 0.1, 0.05)}
+    classes.fleet_fresh = {"chat": 3}
+    # Every class held must be covered: copy is fresh to 1 position here and unknown elsewhere.
+    assert classes.prior(Counter(copy=2, chat=1)).fresh == 1
+    assert classes.prior(Counter(chat=1)).fresh == 3
+    assert classes.prior(Counter(copy=1, other=0)).fresh == 1
+
+
 def test_fold_keeps_per_position_counts_unbiased_across_k_changes():
     steps = [StepRecord(running=2, waiting=0, k=7, wall_s=0.02, drafts=2, draft_tokens=14,
                         accepted_tokens=6, accepted_per_pos=(2, 2, 1, 1, 0, 0, 0),
@@ -225,4 +249,4 @@ def test_class_rates_decay_per_position_and_keep_the_positions_a_shallow_k_left_
     classes = ClassAcceptance()
     classes.observe({"greedy": ([9, 9], [10, 10]), "sampled": ([0, 0], [0, 0])})
     assert classes.own == {"greedy": (0.9, 0.9)}, "a class that drafted nothing says nothing"
-    assert classes.prior(Counter(greedy=2)) == (0.9, 0.9)
+    assert classes.prior(Counter(greedy=2)) == ((0.9, 0.9), 2)

@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 
 from policies.batch_table import lookup
 from policies.ema import EmaConfig, EmaPolicy
-from policies.goodput import GoodputConfig, GoodputPolicy, StepCostModel, steady_lengths
+from policies.goodput import (
+    AcceptanceWindow,
+    GoodputConfig,
+    GoodputPolicy,
+    StepCostModel,
+    steady_lengths,
+)
 from policies.registry import POLICY_NAMES, build_policy
 from policies.signals import ClusterView, RequestAcceptance, RequestWindows, Signals, StepCost
 from policies.stability import StabilityConfig, StabilityPolicy, request_lengths
@@ -139,6 +145,22 @@ def test_goodput_probes_the_next_tier_when_nothing_measured_it():
     assert ks.count(3) == 1 and ks[-1] == 1
 
 
+def test_goodput_leaves_the_probe_to_the_fleet_when_it_just_measured_the_next_tier():
+    """Another replica with these request classes measured K=3's positions within the last
+    few telemetry periods: probing here would repeat it. Not when the class prior is set
+    aside (this replica's first position contradicts it), nor when the evidence is older."""
+    def ks(class_prior: tuple[float, ...], fresh: int) -> list[int]:
+        policy = goodput(probe_interval_steps=40, switch_margin=0.5)
+        signals = Signals(**{**window(1, 0.55, batch=8).__dict__, "class_prior": class_prior,
+                             "class_prior_fresh": fresh})
+        return [policy.decide(signals).k for _ in range(12)]
+
+    like_here = (0.55, 0.3, 0.16)
+    assert set(ks(like_here, fresh=3)) == {1}
+    assert ks(like_here, fresh=1).count(3) == 1, "position 2 not measured lately: probe"
+    assert ks((0.98, 0.95, 0.9), fresh=3).count(3) == 1, "a contradicted prior is no evidence"
+
+
 def test_goodput_at_zero_measures_at_once_when_the_request_classes_landed_drafts_before():
     def at_zero(hint: tuple[float, ...]) -> list[int]:
         policy = goodput()
@@ -153,7 +175,7 @@ def test_goodput_at_zero_measures_at_once_when_the_request_classes_landed_drafts
 def test_goodput_prices_unmeasured_positions_by_the_request_classes_not_the_fleet():
     """A chat-like replica (each position lands with 0.45 given the last) in a copy-heavy
     fleet: the fleet's prior prices the positions beyond K as copy traffic, so the policy
-    keeps trying deeper tiers and coming back; its requests' class prior settles it."""
+    tries deeper tiers than its traffic warrants; its requests' class prior settles it."""
     fleet = ClusterView(effective_concurrency=8, acceptance_prior=(0.7,) + (0.6,) * 14)
     chat = tuple(0.45 ** (k + 1) for k in range(15))
 
@@ -168,7 +190,8 @@ def test_goodput_prices_unmeasured_positions_by_the_request_classes_not_the_flee
     def switches(ks: list[int]) -> int:
         return sum(a != b for a, b in zip([1, *ks], ks, strict=False))
 
-    assert switches(tiers(())) >= 5, "the fleet's prior keeps it probing deep tiers"
+    misled = tiers(())
+    assert switches(misled) >= 3 and max(misled) > 3, "the fleet's prior lures it deeper"
     settled = tiers(chat)
     assert switches(settled) == 1 and settled[-1] == 3
 
@@ -464,3 +487,19 @@ def test_every_policy_answers_a_candidate(name, k, acceptance, batch):
 def test_unknown_policy_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown policy"):
         build_policy({"name": "magic"}, CANDIDATES)
+
+
+def test_goodput_anchors_the_prior_on_the_positions_this_replica_measured():
+    """The fleet measured deep positions where drafts landed best: its absolute rates there
+    overstate a replica whose first position lands less. The prior's conditional rates
+    carry this replica's own rate on instead (a K=1 replica priced K=3 at the fleet's rates,
+    switched, measured less, and switched back)."""
+    window_ = AcceptanceWindow(kmax=3, decay=1.0, prior_strength=4.0)
+    window_.update(accepted=(450,), drafted=(1000,))  # K=1: only the first position
+    prior = (0.9, 0.72, 0.36)  # conditional 0.8, then 0.5
+    rates = window_.rates(prior)
+    assert rates[0] == pytest.approx((450 + 4 * 0.9) / 1004)
+    assert rates[1] == pytest.approx(rates[0] * 0.8) and rates[2] == pytest.approx(
+        rates[0] * 0.4)
+    fresh = AcceptanceWindow(kmax=3, decay=1.0, prior_strength=4.0)
+    assert fresh.rates(prior) == pytest.approx(list(prior)), "nothing measured: the prior"
