@@ -24,12 +24,12 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   policy runs that next tier for one dwell period to measure (bounded exploration: at most two
   switches per interval; nothing else switches during a dwell). At K=0 the request classes
   now on the replica are a hint too: when their past acceptance (the fleet's, else this
-  replica's) says the smallest tier would win, the policy measures it at once instead of
-  waiting out the interval. An old prior does not replace the probe (a class's traffic may
-  change), a fresh one does: when another replica measured the next tier's positions for the
-  request classes now here within the last few telemetry periods (`class_prior_fresh`), the
-  probe would only repeat it, so the fleet probes a class about once an interval instead of
-  once per replica.
+  replica's) says a tier would win, the policy goes straight to the one it says wins instead
+  of waiting out the interval. An old prior does not replace the probe (a class's traffic
+  may change), a fresh one does: when another replica measured the next tier's positions for
+  the request classes now here within the last few telemetry periods (`class_prior_fresh`),
+  the probe would only repeat it, so the fleet probes a class about once an interval instead
+  of once per replica.
 - A batch that mixes requests whose drafts land with requests whose drafts fail is scored by
   its steady state, from the per-request outcomes an engine reports (vLLM's and the
   simulator do; see `steady_lengths`): 1 + q * sum p[k] is the mean over the batch as it is
@@ -432,9 +432,10 @@ class GoodputPolicy:
         if self._steps_on_tier < self.config.min_dwell_steps:
             return Decision(current, "dwell", inputs)
         deeper = [k for k in self.candidates if k > current]
-        if current == 0 and deeper and self._classes_expect_drafts(signals, scores, deeper[0]):
+        expected = self._tier_the_classes_expect(signals, scores) if current == 0 else None
+        if expected is not None:
             self._steps_on_tier = 0
-            return Decision(deeper[0], "probe: these request classes landed drafts before",
+            return Decision(expected, "probe: these request classes landed drafts before",
                             inputs)
         interval = self.config.probe_interval_steps
         if deeper and self._steps_on_tier >= interval and \
@@ -455,21 +456,26 @@ class GoodputPolicy:
         return signals.class_prior_fresh >= tier and \
             self.acceptance.uses_prior(signals.class_prior)
 
-    def _classes_expect_drafts(self, signals: Signals, scores: dict[int, float],
-                               tier: int) -> bool:
-        """At K=0: would `tier` win if drafts landed as these request classes' did before?
-        Checked only after a few dwells without drafting, so a hint that turns out wrong
-        (the classes' statistics then fall) costs one dwell now and then."""
+    def _tier_the_classes_expect(self, signals: Signals, scores: dict[int, float]
+                                 ) -> int | None:
+        """At K=0: the tier that would win if drafts landed as these request classes' did
+        before, when one would beat K=0 by the margin. Straight there, not through the
+        smallest tier: a high phase that starts while the replica runs K=0 lasts a few
+        seconds, and each tier on the way costs a dwell (half a second at batch 8 on this
+        machine). Checked only after a few dwells without drafting, so a hint that turns out
+        wrong (the classes' statistics then fall) costs one dwell now and then."""
         hint = list(signals.class_prior)
         if not hint or self._steps - self._last_drafted[0] < 4 * \
                 self.config.min_dwell_steps:
-            return False
+            return None
         batch = self._batch(signals)
-        seconds = self.costs.predict(batch, tier)
-        if seconds is None:
-            return False
-        while len(hint) < tier:
+        deeper = [k for k in self.candidates if k > 0]
+        while len(hint) < max(deeper, default=0):
             hint.append(_extrapolate(hint))
         # `draft_share` describes the traffic before K=0 and may be stale: the hint alone.
-        hinted = batch * (1 + sum(hint[:tier])) / seconds
-        return hinted > scores[0] * (1 + self.config.switch_margin)
+        hinted = {k: batch * (1 + sum(hint[:k])) / seconds
+                  for k, seconds in self.costs.predict_row(batch, tuple(deeper)).items()}
+        best = max(hinted, key=lambda k: (hinted[k], -k), default=None)
+        if best is None or hinted[best] <= scores[0] * (1 + self.config.switch_margin):
+            return None
+        return best

@@ -161,14 +161,16 @@ def test_goodput_leaves_the_probe_to_the_fleet_when_it_just_measured_the_next_ti
     assert ks((0.98, 0.95, 0.9), fresh=3).count(3) == 1, "a contradicted prior is no evidence"
 
 
-def test_goodput_at_zero_measures_at_once_when_the_request_classes_landed_drafts_before():
+def test_goodput_at_zero_goes_where_the_request_classes_landed_drafts_before():
     def at_zero(hint: tuple[float, ...]) -> list[int]:
         policy = goodput()
         settle(policy, acceptance=0.0, batch=8, rounds=8)  # to K=0, nothing drafted since
         signals = Signals(**{**window(0, 0.0, batch=8).__dict__, "class_prior": hint})
         return [policy.decide(signals).k for _ in range(10)]
 
-    assert at_zero((0.95,))[-1] == 1, "greedy-copy classes arrived: measure now"
+    # Straight to the tier the classes' past acceptance makes best, not through K=1.
+    assert at_zero((0.95,))[0] == 15, "greedy-copy classes arrived: deep at once"
+    assert at_zero((0.6, 0.2))[0] == 3 and at_zero((0.4, 0.05))[0] == 1
     assert set(at_zero((0.01,))) == {0} and set(at_zero(())) == {0}
 
 
