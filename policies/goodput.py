@@ -432,7 +432,8 @@ class GoodputPolicy:
         if self._steps_on_tier < self.config.min_dwell_steps:
             return Decision(current, "dwell", inputs)
         deeper = [k for k in self.candidates if k > current]
-        expected = self._tier_the_classes_expect(signals, scores) if current == 0 else None
+        expected = self._tier_the_classes_expect(signals, scores, deeper) \
+            if current == 0 and deeper else None
         if expected is not None:
             self._steps_on_tier = 0
             return Decision(expected, "probe: these request classes landed drafts before",
@@ -456,8 +457,8 @@ class GoodputPolicy:
         return signals.class_prior_fresh >= tier and \
             self.acceptance.uses_prior(signals.class_prior)
 
-    def _tier_the_classes_expect(self, signals: Signals, scores: dict[int, float]
-                                 ) -> int | None:
+    def _tier_the_classes_expect(self, signals: Signals, scores: dict[int, float],
+                                 deeper: list[int]) -> int | None:
         """At K=0: the tier that would win if drafts landed as these request classes' did
         before, when one would beat K=0 by the margin. Straight there, not through the
         smallest tier: a high phase that starts while the replica runs K=0 lasts a few
@@ -469,13 +470,12 @@ class GoodputPolicy:
                 self.config.min_dwell_steps:
             return None
         batch = self._batch(signals)
-        deeper = [k for k in self.candidates if k > 0]
-        while len(hint) < max(deeper, default=0):
+        while len(hint) < deeper[-1]:
             hint.append(_extrapolate(hint))
         # `draft_share` describes the traffic before K=0 and may be stale: the hint alone.
         hinted = {k: batch * (1 + sum(hint[:k])) / seconds
                   for k, seconds in self.costs.predict_row(batch, tuple(deeper)).items()}
-        best = max(hinted, key=lambda k: (hinted[k], -k), default=None)
+        best = max(hinted, key=lambda k: (hinted[k], -k), default=None)  # None: no costs yet
         if best is None or hinted[best] <= scores[0] * (1 + self.config.switch_margin):
             return None
         return best
