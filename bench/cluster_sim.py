@@ -170,7 +170,11 @@ class SimReplica:
 
     def class_prior(self) -> ClassPrior:
         """As the replica deployment: what its requests' classes showed before."""
-        return self.classes.prior(self.in_flight_classes)
+        return self.classes.prior(self.class_of())
+
+    def class_of(self) -> dict[str, str]:
+        """Request id -> class, for the requests now on the replica."""
+        return {rid: tracked.arrival.request_class for rid, tracked in self.in_flight.items()}
 
     @property
     def load(self) -> int:
@@ -189,9 +193,7 @@ class SimReplica:
         self.window_drafted = [0] * max(CANDIDATES)
         if self.learns_classes:  # as the replica deployment: from its requests' windows
             self.classes.observe(class_counts(
-                self.engine.request_acceptance(),
-                {rid: tracked.arrival.request_class for rid, tracked in self.in_flight.items()},
-                self.engine.kmax))
+                self.engine.request_acceptance(), self.class_of(), self.engine.kmax))
         return stats
 
 

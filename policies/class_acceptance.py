@@ -20,6 +20,7 @@ K, measured it, and switched back.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -47,6 +48,10 @@ class ClassPrior(NamedTuple):
     fresh: int = 0
     """Leading positions of `rates` that some replica measured, for every class weighed,
     within the last `FRESH_PERIODS` telemetry periods."""
+    by_request: Mapping[str, Rates] = {}
+    """Request id -> what its own class showed before (requests of a class nobody measured
+    are left out): a request that has not drafted yet is priced by its class, not by the
+    replica's recent traffic, which may be another class's."""
 
 
 def class_counts(windows: RequestWindows, class_of: Mapping[str, str], width: int
@@ -85,13 +90,20 @@ def blend_rates(old: Rates | None, fresh: Rates) -> Rates:
                  for k in range(max(len(old), len(fresh))))
 
 
+def class_rates(request_class: str, own: Mapping[str, Rates], fleet: Mapping[str, Rates]
+                ) -> Rates:
+    """The fleet's rates for a class (the hub's mean, more evidence, this replica's
+    included), else the replica's own (no hub, or a class the hub has not heard of yet);
+    () when neither measured it."""
+    return fleet.get(request_class) or own.get(request_class) or ()
+
+
 def mixture(requests_per_class: Mapping[str, int], own: Mapping[str, Rates],
             fleet: Mapping[str, Rates]) -> Rates:
-    """Mean p[k] of the requests on a replica, given how many of each class it holds: the
-    fleet's rates for a class (the hub's mean, more evidence, this replica's included), else
-    the replica's own (no hub, or a class the hub has not heard of yet). Covers the positions
+    """Mean p[k] of the requests on a replica, given how many of each class it holds (each
+    class's rates as `class_rates` gives them). Covers the positions
     every weighed class has measured (the policy extrapolates beyond); () when none is known."""
-    weighed = [(count, fleet.get(c) or own.get(c)) for c, count in requests_per_class.items()
+    weighed = [(count, class_rates(c, own, fleet)) for c, count in requests_per_class.items()
                if count > 0]
     weighed = [(count, rates) for count, rates in weighed if rates]
     if not weighed:
@@ -166,7 +178,11 @@ class ClassAcceptance:
                 depths[request_class] = depth
         return depths
 
-    def prior(self, requests_per_class: Mapping[str, int]) -> ClassPrior:
+    def prior(self, class_of: Mapping[str, str]) -> ClassPrior:
+        """For the requests now on the replica (`class_of`: request id -> class)."""
+        requests_per_class = Counter(class_of.values())
         rates = mixture(requests_per_class, self.own, self.fleet)
         fresh = fresh_depth(requests_per_class, self.own_fresh, self.fleet_fresh)
-        return ClassPrior(rates, min(fresh, len(rates)))
+        known = {c: class_rates(c, self.own, self.fleet) for c in requests_per_class}
+        return ClassPrior(rates, min(fresh, len(rates)),
+                          {rid: known[c] for rid, c in class_of.items() if known[c]})

@@ -47,7 +47,7 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -281,9 +281,10 @@ class AcceptanceWindow:
 
 
 def steady_lengths(requests: RequestWindows, landing: list[float], prior_strength: float,
-                   ks: tuple[int, ...]) -> dict[int, float] | None:
+                   ks: tuple[int, ...], request_priors: Sequence[tuple[float, ...]] = ()
+                   ) -> dict[int, float] | None:
     """Tokens per sequence-step at each depth in `ks` once the batch's mix has settled there;
-    None when no request drafted in its window.
+    None when no request drafted in its window and none has a class prior.
 
     Speculation changes a batch's mix: requests whose drafts land finish in fewer steps at a
     deeper K, and their slots go to requests whose drafts fail. Each kind of request keeps its
@@ -294,9 +295,14 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
 
     L_r(K) = 1 + sum_{k<K} r_k, where r_k is the request's share of steps with more than k
     drafts accepted among its steps that drafted position k, shrunk with `prior_strength`
-    steps towards a guess: `landing[k]` (the replica's per-sequence-step rate) at the first
-    position, else the request's previous position times the replica's conditional rate
-    there (which also extends the request past the deepest position it drafted).
+    steps towards a guess. The guess is what the request's class showed before
+    (`request_priors`, one per row; () where unknown), else the replica's: `landing[k]` (its
+    per-sequence-step rate) at the first position, else the request's previous position
+    times the conditional rate there (which also extends the request past the deepest
+    position it drafted). Its class first: a request that just arrived has no outcomes yet,
+    and the replica's rates describe the traffic before it, which at a change of phase is
+    another class's (a replica fresh from copy traffic priced new sampled requests as copy
+    and kept a deep K into the sampled phase).
 
     Vectorised over requests (see `policies.outcomes`).
     """
@@ -305,32 +311,62 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
         return None
     drafted, landed = requests.clipped(kmax)
     drafted_to = int(drafted.max(initial=0))  # positions some request drafted
-    if not drafted_to:
+    first, conditional = _guesses(landing, request_priors, rows)
+    if not drafted_to and first is None:
         return None
     # Per request and position k: steps that drafted k; steps that landed it.
     reach, beyond = position_counts(drafted, landed, np.arange(rows), rows, kmax)
     # Without a prior, a position a request never drafted has no evidence: the guess stands.
     weight = reach + prior_strength if prior_strength else np.maximum(reach, 1)
-    # The replica's conditional rate at each position past the first.
-    conditional = [0.0] + [min(1.0, landing[k] / landing[k - 1]) if landing[k - 1] > 0
-                           else 0.0 for k in range(1, kmax)]
     rates = np.empty((kmax, rows))  # r_k per position (rows) and request (columns)
-    rate = 1.0
-    for k in range(drafted_to):
-        guess = landing[0] if k == 0 else rate * conditional[k]
+    rate = np.ones(rows)
+    for k in range(max(drafted_to, 1)):
+        guess = (landing[0] if first is None else first) if k == 0 else rate * conditional[k]
         own = (beyond[:, k] + prior_strength * guess) / weight[:, k]
         if not prior_strength:
             own = np.where(reach[:, k] == 0, guess, own)
         rate = rates[k] = np.minimum(own, rate)  # more than k accepted needs more than k-1
     # Deeper, no request has evidence: each goes on from its last rate by the guess alone
     # (the loop above would give the same, a position at a time).
-    rates[drafted_to:] = np.cumprod(conditional[drafted_to:])[:, None] * rate
+    top = max(drafted_to, 1)
+    rates[top:] = np.cumprod(conditional[top:], axis=0) * rate
     lengths = np.ones((kmax + 1, rows))  # L_r(K) for K = 0..kmax
     np.cumsum(rates, axis=0, out=lengths[1:])
     lengths[1:] += 1
     tokens = landed.sum(axis=1) + requests.lengths  # a step: its landed drafts and one more
     per_step = tokens.sum() / (tokens / lengths[[min(k, kmax) for k in ks]]).sum(axis=1)
     return dict(zip(ks, per_step.tolist(), strict=True))
+
+
+def _guesses(landing: list[float], request_priors: Sequence[tuple[float, ...]], rows: int
+             ) -> tuple[np.ndarray | None, np.ndarray]:
+    """Per request, the guess at the first position (None when no request has a class
+    prior: `landing[0]` for all) and the conditional rate at each position past it
+    ([kmax, rows]; row 0 unused): its class's, extended geometrically past the positions
+    the class measured, else the replica's."""
+    kmax = len(landing)
+    replica = [0.0] + [_ratio(landing[k], landing[k - 1]) for k in range(1, kmax)]
+    conditional = np.tile(np.array(replica)[:, None], (1, rows))
+    if not any(request_priors):
+        return None, conditional
+    first = np.full(rows, landing[0])
+    extended: dict[tuple[float, ...], list[float]] = {}  # a few classes, many requests
+    for row, prior in enumerate(request_priors):
+        if not prior:
+            continue
+        if prior not in extended:
+            full = list(prior[:kmax])
+            while len(full) < kmax:
+                full.append(_extrapolate(full))
+            extended[prior] = [0.0] + [_ratio(full[k], full[k - 1]) for k in range(1, kmax)]
+        first[row] = prior[0]
+        conditional[:, row] = extended[prior]
+    return first, conditional
+
+
+def _ratio(rate: float, previous: float) -> float:
+    """The conditional rate p[k] / p[k-1], at most 1 (0 once nothing lands)."""
+    return min(1.0, rate / previous) if previous > 0 else 0.0
 
 
 def _continue(rates: list[float], prior: tuple[float, ...], k: int) -> float:
@@ -346,7 +382,7 @@ def _continue(rates: list[float], prior: tuple[float, ...], k: int) -> float:
         return _extrapolate(rates)
     if not rates:
         return prior[0]
-    return rates[-1] * min(1.0, prior[k] / prior[k - 1]) if prior[k - 1] > 0 else 0.0
+    return rates[-1] * _ratio(prior[k], prior[k - 1])
 
 
 def _extrapolate(rates: list[float]) -> float:
@@ -372,7 +408,8 @@ class GoodputPolicy:
         self.costs = StepCostModel(config.cost_decay)
         for batch, k, seconds in config.profile:
             self.costs.seed(StepCost(batch, k, seconds))
-        self.acceptance = AcceptanceWindow(max(1, max(candidates)), config.acceptance_decay,
+        self.acceptance_width = max(1, max(candidates))
+        self.acceptance = AcceptanceWindow(self.acceptance_width, config.acceptance_decay,
                                            config.prior_strength, config.shift_threshold)
         self._steps_on_tier = 0
         self._share = (0.0, 0.0)  # decayed (sequence-steps that proposed, that could have)
@@ -384,17 +421,21 @@ class GoodputPolicy:
                                     self.config.concurrency_source == "effective"
                                     else signals.local_batch)
 
-    def scores(self, signals: Signals, rates: list[float]) -> dict[int, float]:
-        """Expected tokens/s per candidate (empty until some step cost is known)."""
+    def scores(self, signals: Signals, rates: list[float], share: float | None = None,
+               ks: tuple[int, ...] | None = None) -> dict[int, float]:
+        """Expected tokens/s per candidate in `ks` (default: all; empty until some step cost
+        is known), with drafts proposed at a share `share` of the sequence-steps (default:
+        the measured `draft_share`)."""
         batch = self._batch(signals)
-        share = self.draft_share
+        ks = self.candidates if ks is None else ks
+        share = self.draft_share if share is None else share
         landing = [share * rate for rate in rates]
-        lengths = steady_lengths(signals.requests, landing, self.config.prior_strength,
-                                 self.candidates)
+        lengths = steady_lengths(signals.requests, landing, self.config.prior_strength, ks,
+                                 signals.request_priors)
         if lengths is None:  # no per-request outcomes: the batch's mean as it is now
-            lengths = {k: 1 + sum(landing[:k]) for k in self.candidates}
+            lengths = {k: 1 + sum(landing[:k]) for k in ks}
         return {k: batch * lengths[k] / seconds
-                for k, seconds in self.costs.predict_row(batch, self.candidates).items()}
+                for k, seconds in self.costs.predict_row(batch, ks).items()}
 
     @property
     def draft_share(self) -> float:
@@ -464,17 +505,17 @@ class GoodputPolicy:
         smallest tier: a high phase that starts while the replica runs K=0 lasts a few
         seconds, and each tier on the way costs a dwell (half a second at batch 8 on this
         machine). Checked only after a few dwells without drafting, so a hint that turns out
-        wrong (the classes' statistics then fall) costs one dwell now and then."""
+        wrong (the classes' statistics then fall) costs one dwell now and then. Scored as
+        any decision is (each request by its own class where known, the batch's steady
+        state), so a tier the hint picks is one the next decision keeps."""
         hint = list(signals.class_prior)
         if not hint or self._steps - self._last_drafted[0] < 4 * \
                 self.config.min_dwell_steps:
             return None
-        batch = self._batch(signals)
-        while len(hint) < deeper[-1]:
+        while len(hint) < self.acceptance_width:
             hint.append(_extrapolate(hint))
         # `draft_share` describes the traffic before K=0 and may be stale: the hint alone.
-        hinted = {k: batch * (1 + sum(hint[:k])) / seconds
-                  for k, seconds in self.costs.predict_row(batch, tuple(deeper)).items()}
+        hinted = self.scores(signals, hint, share=1.0, ks=tuple(deeper))
         best = max(hinted, key=lambda k: (hinted[k], -k), default=None)  # None: no costs yet
         if best is None or hinted[best] <= scores[0] * (1 + self.config.switch_margin):
             return None

@@ -152,6 +152,9 @@ class Signals:
     class_prior_fresh: int = 0
     """Leading positions of `class_prior` that some replica measured within the last few
     telemetry periods: evidence as fresh as a probe of them here would give."""
+    request_priors: tuple[tuple[float, ...], ...] = ()
+    """Per row of `requests`, the p[k] its own request class showed before (() where the
+    class is unknown or unmeasured; empty when no class is known at all)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -44,7 +44,10 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
                          if s.wall_s > 0 and s.running > 0),
         requests=RequestWindows() if requests is None else requests, cluster=cluster,
         now_s=now_s, max_batch=max_batch,
-        class_prior=class_prior.rates, class_prior_fresh=class_prior.fresh)
+        class_prior=class_prior.rates, class_prior_fresh=class_prior.fresh,
+        request_priors=tuple(class_prior.by_request.get(request_id, ())
+                             for request_id in requests.request_ids)
+        if requests is not None and class_prior.by_request else ())
 
 
 @dataclass

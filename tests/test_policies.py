@@ -265,6 +265,65 @@ def test_goodput_does_not_go_deep_on_a_mixed_batch_whose_copy_requests_would_lea
     assert decide(mixed_batch(copy=32, sampled=0)) == 15  # a uniform batch still goes deep
 
 
+def test_steady_lengths_price_a_request_without_outcomes_by_its_class():
+    """A phase change: the replica's rates still describe copy traffic, and the requests now
+    running are sampled ones that have barely drafted. Priced by the replica's rates they
+    promise a deep K; priced by their class (which lands nothing) they do not."""
+    just_arrived = RequestWindows.of(
+        [RequestAcceptance(f"s{i}", (0,), (15,)) for i in range(8)])
+    copy_like = [0.95 ** (k + 1) for k in range(15)]
+    by_replica = steady_lengths(just_arrived, copy_like, 4.0, CANDIDATES)
+    by_class = steady_lengths(just_arrived, copy_like, 4.0, CANDIDATES, [(0.01, 0.0)] * 8)
+    assert by_replica[15] > 4
+    assert by_class[15] == pytest.approx(1.0, abs=0.01)
+    # A request whose class is unknown keeps the replica's guess; the known ones their own.
+    mixed = steady_lengths(just_arrived, copy_like, 4.0, CANDIDATES,
+                           [(0.01, 0.0)] * 7 + [()])
+    assert by_class[15] < mixed[15] < by_replica[15]
+    # Nothing drafted yet: the class priors alone say what each depth would give.
+    waiting = RequestWindows.of([RequestAcceptance(f"g{i}", (0,), (0,)) for i in range(4)])
+    assert steady_lengths(waiting, [0.0] * 15, 4.0, CANDIDATES) is None
+    assert steady_lengths(waiting, [0.0] * 15, 4.0, CANDIDATES,
+                          [(0.9,)] * 4)[3] == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+
+
+def test_goodput_leaves_a_deep_tier_at_once_when_the_new_requests_class_lands_nothing():
+    """From a copy phase at K=15 into a sampled phase: one decision, straight to K=0, when
+    the requests' class is known; the replica's own rates alone keep it deep meanwhile."""
+    def first_k(request_priors: tuple[tuple[float, ...], ...]) -> int:
+        policy = goodput()
+        assert settle(policy, acceptance=0.98, batch=8) == 15
+        sampled = RequestWindows.of(
+            [RequestAcceptance(f"s{i}", (0,), (15,)) for i in range(8)])
+        signals = window(15, 0.98, batch=8, proposing=0.05)  # few proposals: no shift seen
+        return policy.decide(Signals(**{**signals.__dict__, "requests": sampled,
+                                        "request_priors": request_priors})).k
+
+    assert first_k(((0.0,),) * 8) == 0
+    assert first_k(()) >= 7
+
+
+def test_goodput_hint_at_zero_scores_a_mixed_batch_by_its_steady_state():
+    """At K=0 with half greedy-copy and half sampled requests, the classes' mean promises a
+    deep tier, but the copy requests would leave and sampled ones take their slots: the hint
+    must not send the replica where its next decision would not keep it."""
+    def at_zero(request_priors: tuple[tuple[float, ...], ...]) -> list[int]:
+        policy = goodput(profile=MEASURED)
+        settle(policy, acceptance=0.0, batch=32, rounds=8)
+        requests = RequestWindows.of(
+            [RequestAcceptance(f"r{i}", (0,) * 30, (0,) * 30) for i in range(32)])
+        mean = tuple(sum(p[k] for p in request_priors) / len(request_priors)
+                     for k in range(15))
+        signals = Signals(**{**window(0, 0.0, batch=32).__dict__, "requests": requests,
+                             "class_prior": mean, "request_priors": request_priors})
+        return [policy.decide(signals).k for _ in range(6)]
+
+    copy_class = tuple(0.98 ** (k + 1) for k in range(15))
+    sampled_class = (0.0,) * 15
+    assert at_zero((copy_class,) * 32)[0] == 15, "all copy: deep at once"
+    assert max(at_zero((copy_class,) * 16 + (sampled_class,) * 16)) <= 3
+
+
 def test_step_costs_scale_the_profile_to_the_measured_level():
     """In the app a step costs more than the engine alone; a tier not yet measured must not
     look cheap for that reason alone (the policy would cycle through the unmeasured ones)."""
