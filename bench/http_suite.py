@@ -25,10 +25,11 @@ MODES = "static1,static3,static7,static15,ema,goodput"
 WORKLOADS = {
     # The settings; the sweep's requests are the floor of each phase (2 x concurrency
     # otherwise), kept low so the concurrency-1 phases stay minutes, not tens of minutes.
-    # Both run three rounds, modes interleaved (medians): one phase of one mode moves by up
+    # Both run several rounds, modes interleaved (medians): one phase of one mode moves by up
     # to 2x between runs on a 2-core machine (the sweep's goodput at concurrency 64 went from
-    # 0.68x to 1.24x static3 between two single runs). The sweep takes 13 minutes a round.
-    "transition": ["--requests", "16", "--concurrency", "8", "--rounds", "3"],
+    # 0.68x to 1.24x static3 between two single runs). The transition takes about 4 minutes
+    # a round and gets five; the sweep about 8 and gets three.
+    "transition": ["--requests", "16", "--concurrency", "8", "--rounds", "5"],
     "sweep": ["--requests", "8", "--rounds", "3"],
 }
 

@@ -194,8 +194,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     origin = time.perf_counter()
     deployed = (await client.replicas())[0]["policy"]  # as deployed, before any mode changes it
     rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
-    for _ in range(args.rounds):  # modes interleaved, so a slow spell hits all of them
-        for mode in args.modes:
+    for round_ in range(args.rounds):  # modes interleaved, so a slow spell hits all of them
+        # Each round starts one mode later: no mode always runs first, or after the same one.
+        shift = round_ % len(args.modes)
+        for mode in args.modes[shift:] + args.modes[:shift]:
             rounds[mode].append(await run_mode(client, mode, phases, args.warmup, origin,
                                                deployed))
     await client.http.aclose()

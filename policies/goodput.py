@@ -65,6 +65,13 @@ SHIFT_MIN_DRAFTS = 16
 # After a shift, the prior is left out for this many updates: the fleet's decayed
 # counts lag the same change.
 PRIOR_PAUSE_UPDATES = 8
+# A tier is kept only while it beats every shallower one by this share. The switch margin
+# guards a move either way against noise, but a tier whose drafts buy nothing ties a shallower
+# one: predicted cost never falls as K grows, so a deeper tier measured cheaper than a
+# shallower one was, earlier and on a slower machine, scores the same and the margin would
+# hold it (over HTTP a replica kept K=3 through a whole sampled phase where nothing landed).
+# Going deeper still needs the margin, so tiers that differ by 1-5% do not flip.
+DRAFT_TIE = 0.01
 
 
 class GoodputConfig(BaseModel):
@@ -489,6 +496,11 @@ class GoodputPolicy:
             self._steps_on_tier = 0
             return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",
                             inputs)
+        tied = [k for k in self.candidates
+                if k < current and scores[k] * (1 + DRAFT_TIE) >= scores[current]]
+        if tied:  # the burden of proof is on drafting: no margin to leave a tier that buys nothing
+            self._steps_on_tier = 0
+            return Decision(tied[0], f"K={tied[0]} does as well as K={current}", inputs)
         return Decision(current, "current tier is within the margin of the best", inputs)
 
     def _fleet_measured(self, signals: Signals, tier: int) -> bool:

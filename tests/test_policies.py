@@ -373,11 +373,26 @@ def test_goodput_sets_aside_a_prior_its_own_first_position_contradicts():
     to call a shift; the fleet prior still says deep drafts fail. Once this replica measures
     its first position landing at 0.95, the prior no longer describes its traffic."""
     stale = ClusterView(effective_concurrency=8, acceptance_prior=(0.05,) * 15)
-    policy, k = goodput(switch_margin=0.1), 1  # K=0 is not 10% better: K=1 stays
+    # Tiers from K=1 up (a deployment that always drafts): the low stretch keeps it at K=1.
+    policy = GoodputPolicy(GoodputConfig(profile=PROFILE, min_dwell_steps=0), (1, 3, 7, 15))
+    k = 1
     for _ in range(20):
         k = policy.decide(window(k, 0.1, batch=8, cluster=stale, proposing=0.05)).k
     assert k == 1 and policy.acceptance.drafted[0] < 16
     assert policy.decide(window(k, 0.95, batch=8, cluster=stale)).k >= 7
+
+
+def test_goodput_leaves_a_tier_that_ties_a_shallower_one_without_the_margin():
+    """A deeper tier measured as cheap as K=0 (on a faster spell of the machine) ties it when
+    nothing lands: the switch margin must not hold it there. A tier that does buy a few
+    percent is kept: leaving it would need the margin too."""
+    def after(k: int, acceptance: float, proposing: float) -> int:
+        flat = [(8, tier, 0.0124) for tier in CANDIDATES]  # every tier costs the same
+        policy = goodput(switch_margin=0.05, profile=flat, prior_strength=0)
+        return policy.decide(window(k, acceptance, batch=8, proposing=proposing)).k
+
+    assert after(3, 0.0, proposing=1.0) == 0, "K=3 buys nothing over K=0: leave it"
+    assert after(3, 0.3, proposing=0.25) == 3, "K=3 buys 3% over K=1: kept"
 
 
 def test_goodput_dwell_blocks_early_switches():
