@@ -159,6 +159,8 @@ class SimReplica:
     in_flight: dict[str, Tracked] = field(default_factory=dict)
     """By request id."""
     in_flight_classes: Counter[str] = field(default_factory=Counter)
+    in_flight_class: dict[str, str] = field(default_factory=dict)
+    """Request id -> class, kept with `in_flight`: a decision reads it for the running rows."""
     class_tokens: dict[str, int] = field(default_factory=dict)
     """Tokens asked of this replica, per request class."""
     classes: ClassAcceptance = field(default_factory=ClassAcceptance)
@@ -170,11 +172,7 @@ class SimReplica:
 
     def class_prior(self) -> ClassPrior:
         """As the replica deployment: what its requests' classes showed before."""
-        return self.classes.prior(self.class_of())
-
-    def class_of(self) -> dict[str, str]:
-        """Request id -> class, for the requests now on the replica."""
-        return {rid: tracked.arrival.request_class for rid, tracked in self.in_flight.items()}
+        return self.classes.prior(self.in_flight_classes, self.in_flight_class)
 
     @property
     def load(self) -> int:
@@ -193,7 +191,7 @@ class SimReplica:
         self.window_drafted = [0] * max(CANDIDATES)
         if self.learns_classes:  # as the replica deployment: from its requests' windows
             self.classes.observe(class_counts(
-                self.engine.request_acceptance(), self.class_of(), self.engine.kmax))
+                self.engine.request_acceptance(), self.in_flight_class, self.engine.kmax))
         return stats
 
 
@@ -346,6 +344,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                 request_class=CLASSES[arrival.request_class], seed=serial))
             replica.in_flight[entry.request.request_id] = Tracked(arrival, entry)
             replica.in_flight_classes[arrival.request_class] += 1
+            replica.in_flight_class[entry.request.request_id] = arrival.request_class
             replica.class_tokens[arrival.request_class] = \
                 replica.class_tokens.get(arrival.request_class, 0) + arrival.max_tokens
             if not replica.busy:
@@ -356,6 +355,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
             for entry in replica.engine.just_finished:
                 tracked = replica.in_flight.pop(entry.request.request_id)
                 replica.in_flight_classes[tracked.arrival.request_class] -= 1
+                del replica.in_flight_class[entry.request.request_id]
                 outcome.finish(tracked, now, slo_ttft_s, slo_tpot_s)
             steps, _, change = await replica.loop.tick(replica.cluster if uses_cluster
                                                        else None)

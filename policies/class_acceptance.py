@@ -20,7 +20,6 @@ K, measured it, and switched back.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -48,10 +47,17 @@ class ClassPrior(NamedTuple):
     fresh: int = 0
     """Leading positions of `rates` that some replica measured, for every class weighed,
     within the last `FRESH_PERIODS` telemetry periods."""
-    by_request: Mapping[str, Rates] = {}
-    """Request id -> what its own class showed before (requests of a class nobody measured
-    are left out): a request that has not drafted yet is priced by its class, not by the
-    replica's recent traffic, which may be another class's."""
+    by_class: Mapping[str, Rates] = {}
+    """Per class held, what it showed before (classes nobody measured are left out): a
+    request that has not drafted yet is priced by its class, not by the replica's recent
+    traffic, which may be another class's."""
+    class_of: Mapping[str, str] = {}
+    """Request id -> class, for the requests on the replica (the caller's own mapping, not a
+    copy: a decision reads only the running requests' entries)."""
+
+    def request_rates(self, request_id: str) -> Rates:
+        """What the request's class showed before; () when its class is unknown."""
+        return self.by_class.get(self.class_of.get(request_id, ""), ())
 
 
 def class_counts(windows: RequestWindows, class_of: Mapping[str, str], width: int
@@ -178,11 +184,12 @@ class ClassAcceptance:
                 depths[request_class] = depth
         return depths
 
-    def prior(self, class_of: Mapping[str, str]) -> ClassPrior:
-        """For the requests now on the replica (`class_of`: request id -> class)."""
-        requests_per_class = Counter(class_of.values())
+    def prior(self, requests_per_class: Mapping[str, int],
+              class_of: Mapping[str, str] | None = None) -> ClassPrior:
+        """For the requests now on the replica: how many of each class, and which request is
+        of which (`class_of`: request id -> class)."""
         rates = mixture(requests_per_class, self.own, self.fleet)
         fresh = fresh_depth(requests_per_class, self.own_fresh, self.fleet_fresh)
-        known = {c: class_rates(c, self.own, self.fleet) for c in requests_per_class}
-        return ClassPrior(rates, min(fresh, len(rates)),
-                          {rid: known[c] for rid, c in class_of.items() if known[c]})
+        by_class = {c: known for c, count in requests_per_class.items()
+                    if count > 0 and (known := class_rates(c, self.own, self.fleet))}
+        return ClassPrior(rates, min(fresh, len(rates)), by_class, class_of or {})

@@ -49,6 +49,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, TypeVar
 
 import numpy as np
@@ -349,26 +350,31 @@ def _guesses(landing: list[float], request_priors: Sequence[tuple[float, ...]], 
              ) -> tuple[np.ndarray | None, np.ndarray]:
     """Per request, the guess at the first position (None when no request has a class
     prior: `landing[0]` for all) and the conditional rate at each position past it
-    ([kmax, rows]; row 0 unused): its class's, extended geometrically past the positions
-    the class measured, else the replica's."""
+    ([kmax, rows]; row 0 unused): its class's (see `_class_conditionals`), else the
+    replica's."""
     kmax = len(landing)
-    replica = [0.0] + [_ratio(landing[k], landing[k - 1]) for k in range(1, kmax)]
-    conditional = np.tile(np.array(replica)[:, None], (1, rows))
+    replica = np.array([0.0] + [_ratio(landing[k], landing[k - 1]) for k in range(1, kmax)])
     if not any(request_priors):
-        return None, conditional
-    first = np.full(rows, landing[0])
-    extended: dict[tuple[float, ...], list[float]] = {}  # a few classes, many requests
-    for row, prior in enumerate(request_priors):
-        if not prior:
-            continue
-        if prior not in extended:
-            full = list(prior[:kmax])
-            while len(full) < kmax:
-                full.append(_extrapolate(full))
-            extended[prior] = [0.0] + [_ratio(full[k], full[k - 1]) for k in range(1, kmax)]
-        first[row] = prior[0]
-        conditional[:, row] = extended[prior]
-    return first, conditional
+        return None, np.broadcast_to(replica[:, None], (kmax, rows))
+    # A few classes, many requests: one column per distinct prior, the replica's last.
+    distinct: dict[tuple[float, ...], int] = {}
+    column = np.fromiter((distinct.setdefault(prior, len(distinct)) if prior else -1
+                          for prior in request_priors), np.int64, rows)
+    firsts = np.array([prior[0] for prior in distinct] + [landing[0]])
+    table = np.column_stack([_class_conditionals(prior, kmax) for prior in distinct]
+                            + [replica])
+    return firsts[column], table[:, column]
+
+
+@lru_cache(maxsize=256)
+def _class_conditionals(prior: tuple[float, ...], kmax: int) -> np.ndarray:
+    """A class's conditional rates p[k] / p[k-1] at positions 1..kmax-1 (position 0 unused),
+    extended geometrically past the positions the class measured. Memoised: a class's rates
+    change once a telemetry period, and every decision of every replica holding it asks."""
+    full = list(prior[:kmax])
+    while len(full) < kmax:
+        full.append(_extrapolate(full))
+    return np.array([0.0] + [_ratio(full[k], full[k - 1]) for k in range(1, kmax)])
 
 
 def _ratio(rate: float, previous: float) -> float:

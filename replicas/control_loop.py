@@ -45,9 +45,9 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         requests=RequestWindows() if requests is None else requests, cluster=cluster,
         now_s=now_s, max_batch=max_batch,
         class_prior=class_prior.rates, class_prior_fresh=class_prior.fresh,
-        request_priors=tuple(class_prior.by_request.get(request_id, ())
+        request_priors=tuple(class_prior.request_rates(request_id)
                              for request_id in requests.request_ids)
-        if requests is not None and class_prior.by_request else ())
+        if requests is not None and class_prior.by_class else ())
 
 
 @dataclass

@@ -299,7 +299,7 @@ class EngineReplica:
 
     def _class_prior(self) -> ClassPrior:
         """What the classes of the requests on this replica showed before."""
-        return self._classes.prior(self._request_class)
+        return self._classes.prior(Counter(self._request_class.values()), self._request_class)
 
     def record_routing_stats(self) -> dict[str, Any]:
         counters = self.engine.counters()

@@ -133,11 +133,6 @@ def test_hub_tells_each_class_the_deepest_positions_any_replica_measured_lately(
     assert view["class_fresh"] == {"greedy": 3, "sampled": 1}
 
 
-def held(**counts: int) -> dict[str, str]:
-    """Request id -> class for `counts` requests of each class."""
-    return {f"{c}{i}": c for c, n in counts.items() for i in range(n)}
-
-
 def test_class_positions_stay_fresh_for_a_few_periods_and_the_prior_takes_the_shallowest():
     classes = ClassAcceptance()
     classes.observe({"copy": ([8, 6, 4], [10, 10, 10])})  # K=3 measured three positions
@@ -149,9 +144,9 @@ def test_class_positions_stay_fresh_for_a_few_periods_and_the_prior_takes_the_sh
     classes.fleet = {"chat": (0.3, 0.1, 0.05)}
     classes.fleet_fresh = {"chat": 3}
     # Every class held must be covered: copy is fresh to 1 position here and unknown elsewhere.
-    assert classes.prior(held(copy=2, chat=1)).fresh == 1
-    assert classes.prior(held(chat=1)).fresh == 3
-    assert classes.prior(held(copy=1, other=0)).fresh == 1
+    assert classes.prior(Counter(copy=2, chat=1)).fresh == 1
+    assert classes.prior(Counter(chat=1)).fresh == 3
+    assert classes.prior(Counter(copy=1, other=0)).fresh == 1
 
 
 def test_fold_keeps_per_position_counts_unbiased_across_k_changes():
@@ -254,4 +249,7 @@ def test_class_rates_decay_per_position_and_keep_the_positions_a_shallow_k_left_
     classes = ClassAcceptance()
     classes.observe({"greedy": ([9, 9], [10, 10]), "sampled": ([0, 0], [0, 0])})
     assert classes.own == {"greedy": (0.9, 0.9)}, "a class that drafted nothing says nothing"
-    assert classes.prior(held(greedy=2))[:2] == ((0.9, 0.9), 2)
+    assert classes.prior(Counter(greedy=2))[:2] == ((0.9, 0.9), 2)
+    prior = classes.prior(Counter(greedy=1, sampled=1), {"g": "greedy", "s": "sampled"})
+    assert prior.request_rates("g") == (0.9, 0.9), "a request is priced by its own class"
+    assert prior.request_rates("s") == () and prior.request_rates("x") == ()
