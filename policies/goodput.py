@@ -66,12 +66,14 @@ SHIFT_MIN_DRAFTS = 16
 # After a shift, the prior is left out for this many updates: the fleet's decayed
 # counts lag the same change.
 PRIOR_PAUSE_UPDATES = 8
-# A tier is kept only while it beats every shallower one by this share. The switch margin
-# guards a move either way against noise, but a tier whose drafts buy nothing ties a shallower
-# one: predicted cost never falls as K grows, so a deeper tier measured cheaper than a
-# shallower one was, earlier and on a slower machine, scores the same and the margin would
-# hold it (over HTTP a replica kept K=3 through a whole sampled phase where nothing landed).
-# Going deeper still needs the margin, so tiers that differ by 1-5% do not flip.
+# A drafting tier is kept only while it beats the floor (K=0, or the smallest drafting tier:
+# see `GoodputPolicy._floor`) by this share. The switch margin guards a move either way
+# against noise, but a tier whose drafts buy nothing ties the floor: predicted cost never
+# falls as K grows, so a tier measured cheaper than K=0 was, earlier and on a faster spell of
+# the machine, scores the same as K=0 and the margin would hold it (over HTTP both replicas
+# kept K=3 through a sampled phase where nothing landed). Only against the floor: between two
+# drafting tiers that tie, the deeper one keeps measuring the deep positions (a replay that
+# also left deep tiers for shallower ties fell from 1.52x to 1.36x the best static).
 DRAFT_TIE = 0.01
 
 
@@ -502,12 +504,19 @@ class GoodputPolicy:
             self._steps_on_tier = 0
             return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",
                             inputs)
-        tied = [k for k in self.candidates
-                if k < current and scores[k] * (1 + DRAFT_TIE) >= scores[current]]
-        if tied:  # the burden of proof is on drafting: no margin to leave a tier that buys nothing
-            self._steps_on_tier = 0
-            return Decision(tied[0], f"K={tied[0]} does as well as K={current}", inputs)
+        floor = self._floor(signals)
+        if floor < current and scores[floor] * (1 + DRAFT_TIE) >= scores[current]:
+            self._steps_on_tier = 0  # drafting must earn its margin; this tier buys nothing
+            return Decision(floor, f"drafts at K={current} buy nothing over K={floor}", inputs)
         return Decision(current, "current tier is within the margin of the best", inputs)
+
+    def _floor(self, signals: Signals) -> int:
+        """Where a tier whose drafts buy nothing goes without the margin: K=0, when the
+        request classes' hint can bring the replica back once drafts would land again
+        (K=0 drafts nothing, so measures nothing); else the smallest drafting tier."""
+        if signals.class_prior:
+            return self.candidates[0]
+        return min((k for k in self.candidates if k > 0), default=self.candidates[0])
 
     def _fleet_measured(self, signals: Signals, tier: int) -> bool:
         """Whether other replicas measured `tier`'s positions for these request classes just

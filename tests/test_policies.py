@@ -386,12 +386,17 @@ def test_goodput_leaves_a_tier_that_ties_a_shallower_one_without_the_margin():
     """A deeper tier measured as cheap as K=0 (on a faster spell of the machine) ties it when
     nothing lands: the switch margin must not hold it there. A tier that does buy a few
     percent is kept: leaving it would need the margin too."""
-    def after(k: int, acceptance: float, proposing: float) -> int:
+    def after(k: int, acceptance: float, proposing: float, classes: tuple[float, ...] = ()
+              ) -> int:
         flat = [(8, tier, 0.0124) for tier in CANDIDATES]  # every tier costs the same
         policy = goodput(switch_margin=0.05, profile=flat, prior_strength=0)
-        return policy.decide(window(k, acceptance, batch=8, proposing=proposing)).k
+        signals = window(k, acceptance, batch=8, proposing=proposing)
+        return policy.decide(Signals(**{**signals.__dict__, "class_prior": classes})).k
 
-    assert after(3, 0.0, proposing=1.0) == 0, "K=3 buys nothing over K=0: leave it"
+    assert after(3, 0.0, proposing=1.0, classes=(0.0,)) == 0, "K=3 buys nothing: leave it"
+    # Without request classes nothing would tell K=0 that drafts land again: the smallest
+    # drafting tier is as far as a tie goes.
+    assert after(3, 0.0, proposing=1.0) == 1
     assert after(3, 0.3, proposing=0.25) == 3, "K=3 buys 3% over K=1: kept"
 
 
