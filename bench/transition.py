@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -260,30 +261,51 @@ def report(results: dict[str, Any]) -> str:
     return "\n\n".join(lines)
 
 
+def typical_round(runs: list[dict[str, Any]]) -> int:
+    """Index of the round whose throughput is the median (the lower one for an even count)."""
+    order = sorted(range(len(runs)), key=lambda i: runs[i]["throughput"])
+    return order[(len(order) - 1) // 2]
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
+    """K over time per replica for each adaptive mode (its typical round, from the round's
+    start, phases marked; a static mode holds its K), and throughput per phase."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = results["modes"]
-    fig, (ax_k, ax_tp) = plt.subplots(2, 1, figsize=(11, 6.5))
-    for mode, r in modes.items():
-        for replica in sorted({p["replica"] for p in r["timeline"]}):
-            points = [p for p in r["timeline"] if p["replica"] == replica]
-            ax_k.step([p["t"] for p in points], [p["k"] for p in points], where="post",
-                      label=f"{mode} / {replica[-6:]}")
-        for started in r["started_s"]:
-            ax_k.axvline(started, color="grey", lw=0.5)
-    ax_k.set(xlabel="time (s)", ylabel="active K", title="K over time per replica")
-    ax_k.legend(fontsize=6, ncol=4)
+    modes, phase_names = results["modes"], results["phases"]
+    adaptive = [m for m in modes if not is_static(m)]
+    fig, axes = plt.subplots(len(adaptive) + 1, 1, figsize=(11, 2.6 * len(adaptive) + 3.2),
+                             squeeze=False)
+    for ax_k, mode in zip(axes[:, 0], adaptive, strict=False):
+        r = modes[mode]
+        chosen = typical_round(r["rounds"])
+        start = r["started_s"][chosen]
+        end = r["started_s"][chosen + 1] if chosen + 1 < len(r["started_s"]) else math.inf
+        points = [p for p in r["timeline"] if start <= p["t"] < end]
+        for replica in sorted({p["replica"] for p in points}):
+            own = [p for p in points if p["replica"] == replica]
+            ax_k.step([p["t"] - start for p in own], [p["k"] for p in own], where="post",
+                      label=f"replica {replica[-6:]}")
+        for name, began in zip(phase_names, r["rounds"][chosen]["phase_started_s"],
+                               strict=True):
+            ax_k.axvline(began - start, color="grey", lw=0.6)
+            ax_k.annotate(name, (began - start, 1.0), xycoords=("data", "axes fraction"),
+                          xytext=(2, -10), textcoords="offset points", fontsize=7)
+        ax_k.set(xlabel="s since the round began", ylabel="active K",
+                 title=f"{mode}: K over time per replica (round {chosen + 1} of "
+                       f"{len(r['rounds'])}, the median throughput; "
+                       f"{r['rounds'][chosen]['switches']} switches)")
+        ax_k.legend(fontsize=7, loc="center right")
+    ax_tp = axes[-1, 0]
     width = 0.8 / max(1, len(modes))
     for i, (mode, r) in enumerate(modes.items()):
-        xs = [j + i * width for j in range(len(results["phases"]))]
-        ax_tp.bar(xs, [r["phases"][p] for p in results["phases"]], width, label=mode)
-    ax_tp.set_xticks([j + 0.4 - width / 2 for j in range(len(results["phases"]))],
-                     results["phases"])
-    ax_tp.set(ylabel="tok/s", title="throughput per phase")
+        xs = [j + i * width for j in range(len(phase_names))]
+        ax_tp.bar(xs, [r["phases"][p] for p in phase_names], width, label=mode)
+    ax_tp.set_xticks([j + 0.4 - width / 2 for j in range(len(phase_names))], phase_names)
+    ax_tp.set(ylabel="tok/s", title="throughput per phase (median of rounds)")
     ax_tp.legend(fontsize=7, ncol=len(modes))
     fig.tight_layout()
     fig.savefig(path, dpi=110)

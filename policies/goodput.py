@@ -38,7 +38,9 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
 - Step costs are measured on this replica every step (seeded by a profile table scaled to the
   measured level), not only profiled once, and interpolated piecewise in batch size so the
   regime knee is kept.
-- A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate.
+- A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate. The
+  burden of proof is on drafting: a drafting tier within `DRAFT_TIE` of the floor is left
+  for it without the margin.
 - A shift in first-position acceptance beyond `shift_threshold` restarts the acceptance
   estimate (and sets the lagging prior aside for a few decisions): at a phase change
   the decayed windows would otherwise hold the old traffic for several decisions.

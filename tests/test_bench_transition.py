@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from bench.transition import combine, report
+from pathlib import Path
+
+from bench.transition import combine, plot, report, typical_round
 
 
 def _round(throughput: float, low: float, errors: int, switches: int) -> dict:
     return {"throughput": throughput, "latency_s": throughput / 100, "accept_len": 1.5,
             "switches": switches, "errors": errors, "phases": {"low_1": low, "high_1": 900.0},
             "phase_accept_len": {"low_1": 1.0, "high_1": 5.0},
-            "timeline": [{"t": throughput, "replica": "r", "k": 1}], "started_s": throughput}
+            "timeline": [{"t": throughput, "replica": "r", "k": 1}], "started_s": throughput,
+            "phase_started_s": [throughput, throughput + 1]}
 
 
 def test_rounds_combine_into_medians_and_summed_errors() -> None:
@@ -29,3 +32,12 @@ def test_report_compares_adaptive_modes_with_the_best_static_per_phase() -> None
     text = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 1})
     row = next(line for line in text.splitlines() if line.startswith("| goodput | 1.050"))
     assert row == "| goodput | 1.050 | 0.900 | 1.000 |"
+
+
+def test_the_plot_shows_each_adaptive_mode_in_its_median_round(tmp_path: Path) -> None:
+    rounds = [_round(300, 250, 0, 4), _round(500, 150, 1, 2), _round(400, 200, 2, 9)]
+    assert typical_round(rounds) == 2, "the round with the median throughput"
+    assert typical_round(rounds[:2]) == 0, "the lower of two"
+    modes = {"static1": combine([_round(300, 250, 0, 0)]), "goodput": combine(rounds)}
+    plot({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 3}, tmp_path / "k.png")
+    assert (tmp_path / "k.png").read_bytes()[:4] == b"\x89PNG"

@@ -382,7 +382,7 @@ def test_goodput_sets_aside_a_prior_its_own_first_position_contradicts():
     assert policy.decide(window(k, 0.95, batch=8, cluster=stale)).k >= 7
 
 
-def test_goodput_leaves_a_tier_that_ties_a_shallower_one_without_the_margin():
+def test_goodput_leaves_a_drafting_tier_that_ties_the_floor_without_the_margin():
     """A deeper tier measured as cheap as K=0 (on a faster spell of the machine) ties it when
     nothing lands: the switch margin must not hold it there. A tier that does buy a few
     percent is kept: leaving it would need the margin too."""
