@@ -357,7 +357,7 @@ def _guesses(landing: list[float], request_priors: Sequence[tuple[float, ...]], 
     ([kmax, rows]; row 0 unused): its class's (see `_class_conditionals`), else the
     replica's."""
     kmax = len(landing)
-    replica = np.array([0.0] + [_ratio(landing[k], landing[k - 1]) for k in range(1, kmax)])
+    replica = _conditionals(landing)
     if not any(request_priors):
         return None, np.broadcast_to(replica[:, None], (kmax, rows))
     # A few classes, many requests: one column per distinct prior, the replica's last.
@@ -375,10 +375,12 @@ def _class_conditionals(prior: tuple[float, ...], kmax: int) -> np.ndarray:
     """A class's conditional rates p[k] / p[k-1] at positions 1..kmax-1 (position 0 unused),
     extended geometrically past the positions the class measured. Memoised: a class's rates
     change once a telemetry period, and every decision of every replica holding it asks."""
-    full = list(prior[:kmax])
-    while len(full) < kmax:
-        full.append(_extrapolate(full))
-    return np.array([0.0] + [_ratio(full[k], full[k - 1]) for k in range(1, kmax)])
+    return _conditionals(_extended(prior[:kmax], kmax))
+
+
+def _conditionals(rates: Sequence[float]) -> np.ndarray:
+    """p[k] / p[k-1] at each position past the first (position 0 unused)."""
+    return np.array([0.0] + [_ratio(rates[k], rates[k - 1]) for k in range(1, len(rates))])
 
 
 def _ratio(rate: float, previous: float) -> float:
@@ -400,6 +402,14 @@ def _continue(rates: list[float], prior: tuple[float, ...], k: int) -> float:
     if not rates:
         return prior[0]
     return rates[-1] * _ratio(prior[k], prior[k - 1])
+
+
+def _extended(rates: Sequence[float], width: int) -> list[float]:
+    """`rates` continued to `width` positions by `_extrapolate`, one position at a time."""
+    full = list(rates)
+    while len(full) < width:
+        full.append(_extrapolate(full))
+    return full
 
 
 def _extrapolate(rates: list[float]) -> float:
@@ -537,12 +547,10 @@ class GoodputPolicy:
         wrong (the classes' statistics then fall) costs one dwell now and then. Scored as
         any decision is (each request by its own class where known, the batch's steady
         state), so a tier the hint picks is one the next decision keeps."""
-        hint = list(signals.class_prior)
-        if not hint or self._steps - self._last_drafted[0] < 4 * \
+        if not signals.class_prior or self._steps - self._last_drafted[0] < 4 * \
                 self.config.min_dwell_steps:
             return None
-        while len(hint) < self.acceptance_width:
-            hint.append(_extrapolate(hint))
+        hint = _extended(signals.class_prior, self.acceptance_width)
         # `draft_share` describes the traffic before K=0 and may be stale: the hint alone.
         hinted = self.scores(signals, hint, share=1.0, ks=tuple(deeper))
         best = max(hinted, key=lambda k: (hinted[k], -k), default=None)  # None: no costs yet
