@@ -179,12 +179,55 @@ async def test_tier_pool_switches_between_steps(ngram_engine):
         await pool.switch(5)
 
 
+async def last_window(engine: VllmEngine, request: GenerationRequest) -> list[tuple[int, int]]:
+    """The request's (accepted, drafted) window as it stood when its last chunk arrived."""
+    window: list[tuple[int, int]] = []
+    async for _ in engine.generate(request):
+        windows = engine.request_acceptance()
+        if request.request_id in windows.request_ids:
+            row = windows.request_ids.index(request.request_id)
+            length = int(windows.lengths[row])
+            window = list(zip(windows.accepted[row, -length:].tolist(),
+                              windows.drafted[row, -length:].tolist(), strict=True))
+    return window
+
+
+@pytest.mark.parametrize("prompt", [COPY_PROMPT, FREE_PROMPTS[0]], ids=["copy", "free"])
+async def test_request_window_is_the_schedulers_count_per_step(ngram_engine, prompt):
+    """Alone in the batch, a request's window lists exactly the verify steps vLLM counted for
+    the batch, step by step (all but the step that finishes it), including steps where the
+    n-gram drafter proposed fewer than K tokens."""
+    await ngram_engine.set_k(3)
+    await asyncio.sleep(0)
+    ngram_engine.drain_steps()
+    window = await last_window(ngram_engine, greedy(prompt, max_tokens=28))
+    drafting = [s for s in ngram_engine.drain_steps() if s.drafts]
+    assert all(s.drafts == 1 for s in drafting)  # the request was alone in every step
+    verify_steps = [(s.accepted_tokens, s.draft_tokens) for s in drafting]
+    assert window, "no verify outcomes attributed to the request"
+    assert window in (verify_steps, verify_steps[:-1])
+    assert all(0 <= accepted <= drafted <= 3 for accepted, drafted in window)
+
+
+async def test_concurrent_requests_get_their_own_outcomes(ngram_engine):
+    """Under greedy decoding n-gram drafts depend only on the request's own tokens, so each
+    request's outcomes decoded in a batch must equal its outcomes decoded alone."""
+    await ngram_engine.set_k(3)
+    prompts = [COPY_PROMPT, FREE_PROMPTS[0], FREE_PROMPTS[1]]
+    alone = [await last_window(ngram_engine, greedy(p, max_tokens=28)) for p in prompts]
+    together = await asyncio.gather(*(last_window(ngram_engine, greedy(p, max_tokens=28))
+                                      for p in prompts))
+    assert alone[0] and alone[1], "no verify outcomes attributed"  # [2] may never match
+    assert together == alone
+
+
 async def test_prompt_too_long_is_an_input_error(ngram_engine):
     too_long = "x " * (ngram_engine.max_model_len * 2)
     with pytest.raises(EngineInputError):
         await generate_ids(ngram_engine, greedy(too_long))
     # The engine keeps serving.
     assert len(await generate_ids(ngram_engine, greedy(COPY_PROMPT, max_tokens=4))) == 4
+
 
 
 def test_cpu_bind_gives_each_rank_its_own_cores():

