@@ -54,9 +54,9 @@ def exit_with_parent() -> None:
 
 def step_outcome(num_spec_tokens: int, accepted: int, drafted: int) -> RequestSpecDecodeMetrics:
     """One request's verify outcome in one step, in vLLM's per-request metrics type."""
-    outcome = RequestSpecDecodeMetrics.new(num_spec_tokens)
-    outcome.observe(drafted, accepted, detailed=True)
-    return outcome
+    # No histogram: it would be kmax + 1 more integers per request per step on the wire.
+    return RequestSpecDecodeMetrics(num_spec_tokens=num_spec_tokens, num_draft_tokens=drafted,
+                                    per_step_accepted=[accepted], per_step_drafted=[drafted])
 
 
 class _AdaptiveK:
