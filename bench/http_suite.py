@@ -27,8 +27,8 @@ WORKLOADS = {
     # otherwise), kept low so the concurrency-1 phases stay minutes, not tens of minutes.
     # Both run several rounds, modes interleaved (medians): one phase of one mode moves by up
     # to 2x between runs on a 2-core machine (the sweep's goodput at concurrency 64 went from
-    # 0.68x to 1.24x static3 between two single runs). The transition takes about 5 minutes
-    # a round and gets five; the sweep about 11 and gets three (with two, the "median" is the
+    # 0.68x to 1.24x static3 between two single runs). The transition takes about 3 minutes
+    # a round and gets five; the sweep about 6 and gets three (with two, the "median" is the
     # mean of two, and one slow phase of one round moves it).
     "transition": ["--requests", "16", "--concurrency", "8", "--rounds", "5"],
     "sweep": ["--requests", "8", "--rounds", "3"],
