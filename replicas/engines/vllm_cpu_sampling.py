@@ -28,7 +28,7 @@ def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tok
     """Per-request values `x` repeated once per token of the request (`cu_num_tokens`:
     cumulative token counts), with `replace_from` replaced by `replace_to`; the dtype of `x`."""
     counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
-    values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    values = x.masked_fill(x == replace_from, replace_to)
     return values.repeat_interleave(counts.to(x.device), output_size=num_tokens)
 
 
