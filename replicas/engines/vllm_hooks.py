@@ -8,8 +8,8 @@ can rewrite that lookup; `EngineCore.specserve_set_k` exposes it as a utility me
 frontend reaches with `engine_core.call_utility_async(SET_K_UTILITY, k)`. Utility calls are
 handled between scheduler steps, so a switch never races a step.
 
-The same scheduler also reports each request's verify outcome per step (drafts proposed and
-accepted). vLLM counts them per request in `update_from_output` but ships only batch totals
+The same scheduler also reports each request's verify outcome per step (draft depth and
+accepted drafts). vLLM counts them per request in `update_from_output` but ships only batch totals
 each step (per-request metrics arrive when a request finishes). We attach a one-step
 `RequestSpecDecodeMetrics` to the request's `EngineCoreOutput` for that step; the frontend
 reads it off the request's state after the step is processed (see `vllm_engine`). The
@@ -71,6 +71,8 @@ class _AdaptiveK:
         super().__init__(*args, **kwargs)
         # request id -> (accepted, drafted) in the step being processed.
         self._step_outcomes: dict[str, tuple[int, int]] = {}
+        # K the drafter ran with after the previous step: the depth of this step's drafts.
+        self._proposing_k = 0
 
     def make_spec_decoding_stats(self, spec_decoding_stats: Any, num_draft_tokens: int,
                                  num_accepted_tokens: int,
@@ -88,16 +90,31 @@ class _AdaptiveK:
         self._step_outcomes.clear()
         outputs = super().update_from_output(  # type: ignore[misc]
             scheduler_output, model_runner_output)
-        if self._step_outcomes:
-            for batch in outputs.values():
-                for output in batch.outputs:
-                    outcome = self._step_outcomes.get(output.request_id)
-                    # A finishing request's output carries vLLM's own per-request metrics
-                    # (when enabled); its last step is not needed for a running window.
-                    if outcome is not None and output.finish_reason is None:
-                        output.spec_decode_metrics = step_outcome(self.num_spec_tokens,
-                                                                  *outcome)
+        k = self._proposing_k
+        for batch in outputs.values():
+            for output in batch.outputs:
+                # A finishing request's output carries vLLM's own per-request metrics (when
+                # enabled); its last step is not needed for a running window.
+                if output.finish_reason is None and self._was_decoding(output):
+                    accepted, drafted = self._step_outcomes.get(output.request_id, (0, 0))
+                    output.spec_decode_metrics = step_outcome(self.num_spec_tokens, accepted,
+                                                              max(k, drafted))
+        self._proposing_k = scheduler_output.num_spec_tokens_to_schedule
         return outputs
+
+    def _was_decoding(self, output: Any) -> bool:
+        """Whether the request had generated before this step, so the drafter ran for it.
+
+        Such a step is a verify step at the proposing K even when vLLM counted nothing: the
+        drafter may propose fewer than K tokens, or none (n-gram without a match), and vLLM
+        counts only proposed drafts. The policies read a window as per-step outcomes at K
+        (a proposal that did not happen is K drafts that did not land), as the simulator
+        reports them; counting only proposals would overrate sparse matches such as n-gram
+        on free text."""
+        request = self.requests.get(output.request_id)  # type: ignore[attr-defined]
+        new_tokens = len(output.new_token_ids)
+        return request is not None and new_tokens > 0 and \
+            request.num_output_tokens > new_tokens
 
     def specserve_set_k(self, k: int) -> int:
         if self.dynamic_sd_lookup is None:
