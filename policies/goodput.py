@@ -6,7 +6,10 @@ B is the replica's concurrency (by default its *effective* concurrency from the 
 running + waiting + routed-not-admitted), q the share of sequence-steps that proposed drafts
 at all (prompt lookup proposes nothing where the context has no match), p[k] the share of
 proposals with more than k tokens accepted, and step_time(B, K) the engine step time, learned
-online per K.
+online by the drafts a step verified: a tier K verifies about `fill * K` drafts per
+sequence, where fill is the share of draft slots the drafter filled (1 for a draft model;
+prompt lookup on text without repeats leaves most empty, and a deep tier then costs about
+what K=0 does).
 
 Follows SmartSpec/TurboSpec (argmax of goodput over profiled latency) and vLLM's original
 dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
@@ -103,7 +106,8 @@ class GoodputConfig(BaseModel):
     """Per-observation decay of a measured step cost (the EWMA takes 1 - decay of each new
     step): slow, because step wall times on a shared machine jitter by tens of percent."""
     profile: list[tuple[int, int, float]] = Field(default_factory=list)
-    """Seed step costs: (batch, K, seconds) rows, e.g. from `bench.engine_bench`."""
+    """Seed step costs: (batch, draft tokens per sequence, seconds) rows, e.g. from
+    `bench.engine_bench` at tiers the drafter fills (there the depth is K)."""
 
 
 class StepCostModel:
@@ -174,10 +178,10 @@ class StepCostModel:
     def _value(self, point: _CostPoint) -> float:
         return point.seconds if point.measured else point.seconds * self.scale
 
-    def predict_row(self, batch: int, ks: tuple[int, ...]) -> dict[int, float]:
+    def predict_row(self, batch: int, ks: tuple[float, ...]) -> dict[float, float]:
         """Seconds of a step of `batch` sequences at each depth in `ks` (empty before any
-        measurement or profile); an unmeasured K is interpolated (or extrapolated) linearly
-        in K between known neighbours."""
+        measurement or profile); an unmeasured depth is interpolated (or extrapolated)
+        linearly in K between known neighbours."""
         return _predict_row(self._points, self._value, batch, ks)
 
     def predict(self, batch: int, k: int) -> float | None:
@@ -194,7 +198,7 @@ class _CostPoint:
 
 
 def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], batch: int,
-                 ks: tuple[int, ...]) -> dict[int, float]:
+                 ks: tuple[float, ...]) -> dict[float, float]:
     """Per K in `ks`, the cost at `batch` from a table of k -> batch -> point: piecewise-linear
     in batch per known K, made non-decreasing in K, then piecewise-linear in K."""
     known = sorted(table)
@@ -210,7 +214,7 @@ def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], ba
     return {k: _interpolate(k, known, at_batch.__getitem__) for k in ks}
 
 
-def _interpolate(x: int, known: list[int], value_at: Callable[[int], float]) -> float:
+def _interpolate(x: float, known: list[int], value_at: Callable[[int], float]) -> float:
     """Piecewise-linear value at `x` from the sorted points `known`, extrapolating from the
     two nearest at either end; a single point means flat (memory-bound: cost does not grow)."""
     if x in known:
@@ -440,6 +444,7 @@ class GoodputPolicy:
                                            config.prior_strength, config.shift_threshold)
         self._steps_on_tier = 0
         self._share = (0.0, 0.0)  # decayed (sequence-steps that proposed, that could have)
+        self._fill = (0.0, 0.0)  # decayed (draft tokens verified, that could have been)
         self._steps = 0
         self._last_drafted = [0] * max(1, max(candidates))  # step count when last drafted
 
@@ -461,14 +466,26 @@ class GoodputPolicy:
                                  signals.request_priors)
         if lengths is None:  # no per-request outcomes: the batch's mean as it is now
             lengths = {k: 1 + sum(landing[:k]) for k in ks}
-        return {k: batch * lengths[k] / seconds
-                for k, seconds in self.costs.predict_row(batch, ks).items()}
+        # A tier costs what the drafts it would verify cost (see `draft_fill`).
+        depths = {k: self.draft_fill * k for k in ks}
+        seconds = self.costs.predict_row(batch, tuple(depths.values()))
+        return {k: batch * lengths[k] / seconds[depth] for k, depth in depths.items()
+                if depth in seconds}
 
     @property
     def draft_share(self) -> float:
         """Share of sequence-steps at K > 0 that proposed drafts (1 until measured)."""
         proposed, ran = self._share
         return proposed / ran if ran else 1.0
+
+    @property
+    def draft_fill(self) -> float:
+        """Share of a tier's draft slots the drafter filled (1 until measured): a tier K
+        verifies about `draft_fill * K` drafts per sequence, and costs that. Prompt lookup
+        leaves most slots empty on text without repeats, where a deep tier then costs little
+        more than K=0; a draft model fills them all."""
+        verified, slots = self._fill
+        return min(1.0, verified / slots) if slots else 1.0
 
     def decide(self, signals: Signals) -> Decision:
         self.acceptance.update(signals.accepted_per_pos, signals.drafted_per_pos)
@@ -477,6 +494,8 @@ class GoodputPolicy:
             self._share = (self._share[0] * decay + min(signals.drafts,
                                                         signals.drafting_sequence_steps),
                            self._share[1] * decay + signals.drafting_sequence_steps)
+            self._fill = (self._fill[0] * decay + signals.draft_tokens,
+                          self._fill[1] * decay + signals.draft_slots)
         for cost in signals.step_costs:
             self.costs.observe(cost)
         self._steps_on_tier += signals.steps
@@ -494,7 +513,8 @@ class GoodputPolicy:
         best = max(scores, key=lambda k: (scores[k], -k))  # ties go to the smaller K
         inputs = {"batch": float(max(1, signals.effective_concurrency)),
                   "score_current": scores[current], "score_best": scores[best],
-                  "first_draft": rates[0], "draft_share": self.draft_share}
+                  "first_draft": rates[0], "draft_share": self.draft_share,
+                  "draft_fill": self.draft_fill}
         if signals.class_prior:
             inputs["class_hint"] = signals.class_prior[0]
         if self._steps_on_tier < self.config.min_dwell_steps:

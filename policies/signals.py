@@ -11,7 +11,9 @@ import numpy as np
 
 @dataclass(frozen=True)
 class StepCost:
-    """One observed engine step: how long a verify step of `batch` sequences at depth `k` took."""
+    """One observed engine step: how long a verify step of `batch` sequences took with `k`
+    draft tokens per sequence (the tier's K when every sequence proposed K drafts; fewer when
+    the drafter proposed fewer, as prompt lookup does without a match)."""
 
     batch: int
     k: int
@@ -135,6 +137,9 @@ class Signals:
     """Sequence-steps run at K > 0, with or without a proposal: prompt-lookup proposes nothing
     where the context has no match, so `drafts` can be far fewer."""
     draft_tokens: int = 0
+    draft_slots: int = 0
+    """Draft tokens the steps could have verified: sequence-steps times the K of their step.
+    `draft_tokens / draft_slots` is how full the drafter kept the tiers."""
     accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()
     drafted_per_pos: tuple[int, ...] = ()

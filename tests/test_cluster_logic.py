@@ -161,6 +161,18 @@ def test_fold_keeps_per_position_counts_unbiased_across_k_changes():
     assert signals.accepted_per_pos[:3] == (4, 2, 1)
     assert (signals.running, signals.waiting, signals.steps) == (2, 1, 2)
     assert [c.k for c in signals.step_costs] == [7], "a step of unknown time is left out"
+    assert signals.draft_slots == 2 * 7 + 2 * 1
+
+
+def test_fold_prices_a_step_by_the_drafts_it_verified():
+    """At K=7, one of four sequences proposed 6 drafts: the step verified 1.5 per sequence,
+    and its cost is recorded at depth 2 (rounded), not at its tier."""
+    step = StepRecord(running=4, waiting=0, k=7, wall_s=0.02, drafts=1, draft_tokens=6,
+                      accepted_tokens=6, accepted_per_pos=(1,) * 6 + (0,),
+                      drafted_per_pos=(1,) * 6 + (0,))
+    signals = fold_steps([step], (0, 1, 7), current_k=7)
+    assert [(c.batch, c.k) for c in signals.step_costs] == [(4, 2)]
+    assert (signals.draft_tokens, signals.draft_slots) == (6, 28)
 
 
 def test_simulator_outputs_do_not_depend_on_k_and_control_loop_switches():

@@ -37,6 +37,7 @@ def window(k: int, acceptance: float, batch: int = 4, steps: int = 4,
     return Signals(candidates=CANDIDATES, current_k=k, steps=steps, running=batch, waiting=0,
                    drafts=drafts, draft_tokens=drafts * k, accepted_tokens=sum(accepted),
                    drafting_sequence_steps=batch * steps if k else 0,
+                   draft_slots=batch * steps * k,
                    accepted_per_pos=accepted, drafted_per_pos=drafted, cluster=cluster)
 
 
@@ -201,12 +202,16 @@ def test_goodput_prices_unmeasured_positions_by_the_request_classes_not_the_flee
 def test_goodput_counts_only_the_steps_that_proposed_drafts():
     """Prompt lookup proposes nothing without a match: drafts that land well but rarely are
     worth little, and deep tiers then cost more than they return."""
-    assert settle(goodput(), acceptance=0.9, batch=8) >= 7
-    rare = goodput()
+    frequent, rare = goodput(), goodput()
+    assert settle(frequent, acceptance=0.9, batch=8) >= 7
     k = 3
     for _ in range(30):
         k = rare.decide(window(k, 0.9, batch=8, proposing=0.05)).k
-    assert k <= 1 and rare.draft_share == pytest.approx(2 / 32)  # 2 of 8 x 4 proposed
+    assert rare.draft_share == pytest.approx(2 / 32)  # 2 of 8 x 4 proposed
+    rates = [0.9 ** (pos + 1) for pos in range(15)]
+    gain = {policy: policy.scores(window(15, 0.9, batch=8), rates)
+            for policy in (frequent, rare)}
+    assert gain[rare][15] / gain[rare][0] < 1.5 < gain[frequent][15] / gain[frequent][0]
 
 
 # Measured on this machine (engine_bench.md, engine_bench_batch32.md: copy text).
@@ -339,6 +344,26 @@ def test_step_costs_scale_the_profile_to_the_measured_level():
     unprofiled = StepCostModel(decay=0.98)
     unprofiled.observe(StepCost(8, 3, 0.05))
     assert unprofiled.scale == 1.0 and unprofiled.predict(8, 3) == pytest.approx(0.05)
+
+
+def test_goodput_prices_a_tier_by_the_drafts_it_verifies():
+    """Prompt lookup on text without repeats proposes on few sequence-steps, so a deep tier
+    verifies few drafts and costs little more than K=0 (engine bench, free text at batch 1:
+    K=15 7.8 ms, K=0 8.5 ms). Priced at its full depth, as the copy profile has it, such a
+    tier loses to K=0 although its drafts land when proposed."""
+    sparse = goodput(profile=MEASURED)
+    observed = window(15, 0.9, batch=32, proposing=0.1)
+    sparse.decide(observed)
+    full = goodput(profile=MEASURED)  # the same outcomes, every slot filled (a draft model)
+    full.decide(Signals(**{**observed.__dict__, "draft_slots": observed.draft_tokens}))
+    assert sparse.draft_fill == pytest.approx(0.1, abs=0.01) and full.draft_fill == 1.0
+    rates = sparse.acceptance.rates(())
+    priced_sparse, priced_full = sparse.scores(observed, rates), full.scores(observed, rates)
+    assert priced_sparse[0] == priced_full[0]
+    assert priced_sparse[15] > priced_sparse[0] > priced_full[15]
+    depth = 15 * sparse.draft_fill
+    assert priced_sparse[15] / priced_full[15] == pytest.approx(
+        sparse.costs.predict(32, 15) / sparse.costs.predict(32, depth))
 
 
 def test_goodput_prices_the_batch_the_engine_can_run():
