@@ -56,6 +56,8 @@ bench-cluster: install
 
 bench-engine: install
 	$(BIN)/python -m bench.engine_bench --markdown bench/results/engine_bench.md
+	$(BIN)/python -m bench.engine_bench --drafters ngram --concurrency 8 32 \
+		--markdown bench/results/engine_bench_ngram_depth.md
 
 bench-http: install
 	$(BIN)/python -m bench.http_suite

@@ -4,7 +4,10 @@ For each drafter (ngram, draft_model), workload (copy: repetitive text, greedy; 
 openings sampled at T=0.8), K in {0,1,3,7,15} and concurrency in {1,8}: tokens/s, mean
 acceptance length (1 + accepted/drafts, vLLM's definition), speed-up over K=0 in the same run,
 and the median step time per (batch, K), which calibrates the simulator's cpu-demo preset.
-Also the cost of one tier switch (median, p99) measured under load.
+Also the share of draft slots the drafter filled (prompt lookup proposes nothing without a
+match), the median step time by draft tokens per sequence (what a step costs; `goodput`'s
+step-cost profile is keyed by it), and the cost of one tier switch (median, p99) measured
+under load.
 
     python -m bench.engine_bench --markdown bench/results/engine_bench.md
 """
@@ -40,6 +43,8 @@ class Row:
     tokens_per_s: float
     accept_len: float
     median_step_ms: float
+    fill: float
+    """Draft tokens verified over the slots the tier offered (K per running sequence)."""
     speedup_vs_k0: float = 1.0
 
 
@@ -56,17 +61,34 @@ async def run_batch(engine: VllmEngine, prompts: list[Prompt], max_tokens: int) 
     return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
 
-def summarise(steps: list[StepRecord]) -> tuple[float, float]:
+def summarise(steps: list[StepRecord]) -> tuple[float, float, float]:
+    """(acceptance length, median step ms, share of draft slots filled)."""
     drafts = sum(s.drafts for s in steps)
     accepted = sum(s.accepted_tokens for s in steps)
     timed = [s.wall_s for s in steps if s.wall_s > 0]
+    slots = sum(s.draft_slots for s in steps)
     accept_len = 1 + accepted / drafts if drafts else 1.0
-    return accept_len, 1000 * statistics.median(timed) if timed else 0.0
+    return (accept_len, 1000 * statistics.median(timed) if timed else 0.0,
+            sum(s.draft_tokens for s in steps) / slots if slots else 0.0)
+
+
+def step_ms_by_depth(drafter: str, concurrency: int, steps: list[StepRecord]
+                     ) -> list[dict[str, float | int | str]]:
+    """Median step time by draft tokens per sequence (rounded), over full-batch steps."""
+    by_depth: dict[int, list[float]] = {}
+    for step in steps:
+        if step.wall_s > 0 and step.running == concurrency:
+            by_depth.setdefault(step.draft_depth, []).append(1000 * step.wall_s)
+    return [{"drafter": drafter, "concurrency": concurrency, "depth": depth,
+             "steps": len(times), "median_step_ms": statistics.median(times)}
+            for depth, times in sorted(by_depth.items())]
 
 
 async def measure(engine: VllmEngine, pool: TierPool, drafter: str, rounds: int,
-                  max_tokens: int, concurrencies: tuple[int, ...] = CONCURRENCY) -> list[Row]:
-    rows = []
+                  max_tokens: int, concurrencies: tuple[int, ...] = CONCURRENCY
+                  ) -> tuple[list[Row], list[dict[str, float | int | str]]]:
+    """The rows, and the step times by depth pooled over workloads and tiers."""
+    rows, steps_at = [], {c: [] for c in concurrencies}
     for workload, prompts in WORKLOADS.items():
         for concurrency in concurrencies:
             batch = [prompts[i % len(prompts)] for i in range(concurrency)]
@@ -79,17 +101,20 @@ async def measure(engine: VllmEngine, pool: TierPool, drafter: str, rounds: int,
                 for _ in range(rounds):
                     tokens += await run_batch(engine, batch, max_tokens)
                 elapsed = time.perf_counter() - started
-                accept_len, step_ms = summarise(engine.drain_steps())
+                steps = engine.drain_steps()
+                steps_at[concurrency].extend(steps)
+                accept_len, step_ms, fill = summarise(steps)
                 rows.append(Row(drafter, workload, concurrency, k, tokens / elapsed,
-                                accept_len, step_ms))
+                                accept_len, step_ms, fill))
                 print(f"{drafter:11s} {workload:4s} c={concurrency} K={k:2d} "
                       f"{tokens / elapsed:7.1f} tok/s  accept_len {accept_len:5.2f}  "
-                      f"step {step_ms:6.1f} ms", flush=True)
+                      f"step {step_ms:6.1f} ms  fill {fill:.2f}", flush=True)
     for row in rows:
         base = next(r for r in rows if (r.workload, r.concurrency, r.k) ==
                     (row.workload, row.concurrency, 0))
         row.speedup_vs_k0 = row.tokens_per_s / base.tokens_per_s
-    return rows
+    return rows, [entry for concurrency, steps in steps_at.items()
+                  for entry in step_ms_by_depth(drafter, concurrency, steps)]
 
 
 async def acceptance_summary(engine: VllmEngine, pool: TierPool, drafter: str
@@ -131,7 +156,7 @@ async def switch_cost(engine: VllmEngine, pool: TierPool, switches: int) -> dict
 
 
 async def bench(args: argparse.Namespace) -> dict:
-    results: dict = {"rows": [], "switch_cost": {}, "acceptance": []}
+    results: dict = {"rows": [], "by_depth": [], "switch_cost": {}, "acceptance": []}
     for drafter in args.drafters:
         spec = EngineSpec(drafter=drafter, kmax=max(TIERS), cpu_threads=args.threads)
         engine = VllmEngine(spec)
@@ -139,9 +164,10 @@ async def bench(args: argparse.Namespace) -> dict:
         try:
             pool = TierPool(engine, TIERS, initial_k=0)
             await pool.apply_initial()
-            rows = await measure(engine, pool, drafter, args.rounds, args.max_tokens,
-                                 tuple(args.concurrency))
+            rows, by_depth = await measure(engine, pool, drafter, args.rounds,
+                                           args.max_tokens, tuple(args.concurrency))
             results["rows"].extend(asdict(r) for r in rows)
+            results["by_depth"].extend(by_depth)
             results["acceptance"].extend(await acceptance_summary(engine, pool, drafter))
             results["switch_cost"][drafter] = await switch_cost(engine, pool, args.switches)
             print(f"{drafter} tier switch: {results['switch_cost'][drafter]}", flush=True)
@@ -151,12 +177,18 @@ async def bench(args: argparse.Namespace) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| drafter | workload | concurrency | K | tok/s | vs K=0 | accept len | step ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| drafter | workload | concurrency | K | tok/s | vs K=0 | accept len | step ms | "
+             "slots filled |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         lines.append(f"| {r['drafter']} | {r['workload']} | {r['concurrency']} | {r['k']} | "
                      f"{r['tokens_per_s']:.1f} | {r['speedup_vs_k0']:.2f}x | "
-                     f"{r['accept_len']:.2f} | {r['median_step_ms']:.1f} |")
+                     f"{r['accept_len']:.2f} | {r['median_step_ms']:.1f} | "
+                     f"{r['fill']:.2f} |")
+    lines += ["", "| drafter | concurrency | draft tokens per sequence | steps | median step ms |",
+              "|---|---|---|---|---|"]
+    for d in results["by_depth"]:
+        lines.append(f"| {d['drafter']} | {d['concurrency']} | {d['depth']} | {d['steps']} | "
+                     f"{d['median_step_ms']:.1f} |")
     lines += ["", "| drafter | text | acceptance rate at K=3 | accept len |", "|---|---|---|---|"]
     for a in results["acceptance"]:
         lines.append(f"| {a['drafter']} | {a['text']} | {a['acceptance_rate']:.2f} | "

@@ -37,13 +37,13 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         running=last.running if last else 0, waiting=last.waiting if last else 0,
         drafts=sum(s.drafts for s in steps), draft_tokens=sum(s.draft_tokens for s in steps),
         drafting_sequence_steps=sum(s.running for s in steps if s.k > 0),
-        draft_slots=sum(s.running * s.k for s in steps),
+        draft_slots=sum(s.draft_slots for s in steps),
         accepted_tokens=sum(s.accepted_tokens for s in steps),
         accepted_per_pos=tuple(accepted), drafted_per_pos=tuple(drafted),
         # A step costs by the drafts it verified, not by its tier: prompt lookup on sampled
         # text leaves a deep tier's steps as cheap as K=0's. Steps of unknown length are
         # left out.
-        step_costs=tuple(StepCost(s.running, round(s.draft_tokens / s.running), s.wall_s)
+        step_costs=tuple(StepCost(s.running, s.draft_depth, s.wall_s)
                          for s in steps if s.wall_s > 0 and s.running > 0),
         requests=RequestWindows() if requests is None else requests, cluster=cluster,
         now_s=now_s, max_batch=max_batch,

@@ -62,6 +62,17 @@ class StepRecord:
     drafted_per_pos: tuple[int, ...] = ()
     generated_tokens: int = 0
 
+    @property
+    def draft_slots(self) -> int:
+        """Draft tokens the step could have verified: K per running sequence."""
+        return self.running * self.k
+
+    @property
+    def draft_depth(self) -> int:
+        """Draft tokens the step verified per running sequence (rounded): what it cost,
+        whatever its tier (prompt lookup proposes fewer than K, or none, without a match)."""
+        return round(self.draft_tokens / self.running) if self.running else 0
+
 
 # Verify outcomes an engine keeps per running request (`request_acceptance`); DSDE uses 30.
 REQUEST_WINDOW = 30
