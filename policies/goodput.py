@@ -184,7 +184,7 @@ class StepCostModel:
         linearly in K between known neighbours."""
         return _predict_row(self._points, self._value, batch, ks)
 
-    def predict(self, batch: int, k: int) -> float | None:
+    def predict(self, batch: int, k: float) -> float | None:
         return self.predict_row(batch, (k,)).get(k)
 
 

