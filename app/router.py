@@ -98,6 +98,22 @@ def rank_replicas(replicas: list[ReplicaLoad], affinity: float = CLASS_AFFINITY
     return [best, rest] if rest else [best]
 
 
+def pick_warm(tied: list[str], last_class: dict[str, str], request_class: str,
+              rng: random.Random) -> str:
+    """One of equally ranked replicas (ids): one whose last request was of this class, else
+    one that has had none, else any. Idle replicas tie, and at low concurrency every request
+    meets a tie: sent where its class went last, it finds the tier and the acceptance windows
+    of its class already in place (a copy request that lands on a replica a sampled one just
+    brought down to K=0 spends its first steps there), and each class settles on its own
+    replicas."""
+    def warmth(replica_id: str) -> int:
+        last = last_class.get(replica_id)
+        return 0 if last == request_class else 1 if last is None else 2
+
+    warmest = min(map(warmth, tied))
+    return rng.choice([replica_id for replica_id in tied if warmth(replica_id) == warmest])
+
+
 class RecentByClass:
     """The last few distinct replicas (ids) each request class was sent to."""
 
@@ -178,6 +194,8 @@ class ClassGatheringRouter(RequestRouter):
         # not all see the same counts and pick the same replica.
         self._reserved: dict[str, tuple[ReplicaID, float]] = {}
         self.recent = RecentByClass()
+        self.last_class: dict[str, str] = {}
+        """Replica id -> the class of the last request this router sent it."""
         self.router_id = uuid.uuid4().hex
         self.reporter = RoutedReporter(self.in_flight, self.router_id)
         self.rng = random.Random()
@@ -207,11 +225,13 @@ class ClassGatheringRouter(RequestRouter):
             loads.append(ReplicaLoad(replica.replica_id.unique_id, own + others,
                                      own_same + others_same))
         best, *rest = rank_replicas(loads)
-        pick = self.rng.choice(best)  # Serve tries the first rank first: make it one replica
+        # Serve tries the first rank first: make it one replica.
+        pick = pick_warm(best, self.last_class, request_class, self.rng)
         ranks = [[pick], *([[r for r in best if r != pick]] if len(best) > 1 else []), *rest]
         if request_id is not None:
             self._reserved[request_id] = (by_id[pick].replica_id, time.monotonic())
         self.recent.record(request_class, pick)
+        self.last_class[pick] = request_class
         logger.debug("routing a %s request over %s: %s", request_class, loads, ranks)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 

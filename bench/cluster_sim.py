@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.router import RecentByClass, ReplicaLoad, rank_replicas, sample_candidates
+from app.router import RecentByClass, ReplicaLoad, pick_warm, rank_replicas, sample_candidates
 from app.telemetry_hub import ClusterState
 from bench.policy_replay import CANDIDATES
 from bench.policy_replay import policy_config as replay_policy_config
@@ -296,6 +296,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
         fleet.append(replica)
     hub = ClusterState(stale_after_s=3 * TELEMETRY_PERIOD_S)
     recent_by_class = RecentByClass()
+    last_class: dict[str, str] = {}
     rng = random.Random(seed)
     outcome, serial = ModeOutcome(window_s=duration_s), 0
     events: list[tuple[float, int, str, int]] = [(a.at, i, "arrive", i)
@@ -331,8 +332,10 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                 loads = [ReplicaLoad(r.replica_id, r.load,
                                      r.in_flight_classes[arrival.request_class])
                          for r in candidates]
-                pick = rng.choice(rank_replicas(loads)[0])
+                pick = pick_warm(rank_replicas(loads)[0], last_class, arrival.request_class,
+                                 rng)
                 recent_by_class.record(arrival.request_class, pick)
+                last_class[pick] = arrival.request_class
                 target = int(pick[1:])
             else:  # Ray Serve's default: the less loaded of two random replicas
                 a, b = rng.randrange(replicas), rng.randrange(replicas)

@@ -43,7 +43,8 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   regime knee is kept.
 - A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate. The
   burden of proof is on drafting: a drafting tier within `DRAFT_TIE` of the floor is left
-  for it without the margin.
+  for it without the margin, unless its drafter leaves its slots nearly empty, so its steps
+  cost the floor's (see `_idle_drafter`).
 - A shift in first-position acceptance beyond `shift_threshold` restarts the acceptance
   estimate (and sets the lagging prior aside for a few decisions): at a phase change
   the decayed windows would otherwise hold the old traffic for several decisions.
@@ -537,10 +538,27 @@ class GoodputPolicy:
             return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",
                             inputs)
         floor = self._floor(signals)
-        if floor < current and scores[floor] * (1 + DRAFT_TIE) >= scores[current]:
+        if floor < current and scores[floor] * (1 + DRAFT_TIE) >= scores[current] and \
+                not self._idle_drafter(signals, current, floor):
             self._steps_on_tier = 0  # drafting must earn its margin; this tier buys nothing
             return Decision(floor, f"drafts at K={current} buy nothing over K={floor}", inputs)
         return Decision(current, "current tier is within the margin of the best", inputs)
+
+    def _idle_drafter(self, signals: Signals, tier: int, floor: int) -> bool:
+        """Whether `tier` verifies less than one draft per sequence a step (the drafter
+        leaves its slots nearly all empty: prompt lookup on text without repeats) and is
+        predicted to cost what `floor` does. Such a tier is not left for a tie: its steps are
+        the floor's steps, and it keeps drafting where a match turns up, so a copy that
+        starts lands at once (at K=0 it would first wait for a probe or a class hint). A
+        tier that fills its slots and is measured as cheap as the floor is still left: its
+        drafts are verified, and the measurement is a fast spell of the machine."""
+        depth = self.draft_fill * tier
+        if depth >= 1:
+            return False
+        seconds = self.costs.predict_row(self._batch(signals),
+                                         (self.draft_fill * floor, depth))
+        cheapest = seconds.get(self.draft_fill * floor)
+        return cheapest is not None and seconds[depth] <= cheapest * (1 + DRAFT_TIE)
 
     def _floor(self, signals: Signals) -> int:
         """Where a tier whose drafts buy nothing goes without the margin: K=0, when the

@@ -14,6 +14,7 @@ from app.router import (
     ReplicaLoad,
     gathering_cost,
     others_in_handler,
+    pick_warm,
     rank_replicas,
     sample_candidates,
 )
@@ -55,6 +56,26 @@ def test_router_gathers_a_class_until_its_replicas_are_three_times_as_loaded():
     # A mixed replica sits in between: half of its load of the class.
     assert gathering_cost(ReplicaLoad("mixed", 10, 5)) == pytest.approx(20)
     assert rank_replicas([copying, chatting], affinity=0)[0] == ["chatting"]
+
+
+def test_router_sends_a_class_where_it_went_last_when_replicas_tie():
+    """One request at a time over two idle replicas: each class settles on its own replica
+    (a random pick would move copy requests onto the replica a sampled one just left at
+    K=0), and a replica nothing went to comes before one the other class holds."""
+    rng, last_class, picks = random.Random(0), {}, []
+    for request_class in ["greedy", "sampled"] * 20:
+        pick = pick_warm(["a", "b"], last_class, request_class, rng)
+        last_class[pick] = request_class
+        picks.append((request_class, pick))
+    by_class = {c: {p for rc, p in picks if rc == c} for c in ("greedy", "sampled")}
+    assert len(by_class["greedy"]) == len(by_class["sampled"]) == 1
+    assert by_class["greedy"] != by_class["sampled"]
+    assert pick_warm(["a", "b"], {"a": "sampled"}, "greedy", rng) == "b"
+    # Only among the tied: the ranking still decides first.
+    assert pick_warm(["b"], {"a": "greedy"}, "greedy", rng) == "b"
+    # Nothing to tell them apart: either, at random.
+    assert {pick_warm(["a", "b"], {}, "greedy", random.Random(s)) for s in range(20)} == \
+        {"a", "b"}
 
 
 def test_router_remembers_where_each_class_went_for_sampled_fleets():

@@ -426,6 +426,21 @@ def test_goodput_leaves_a_drafting_tier_that_ties_the_floor_without_the_margin()
     assert after(3, 0.3, proposing=0.25) == 3, "K=3 buys 3% over K=1: kept"
 
 
+def test_goodput_keeps_a_tier_whose_drafter_leaves_its_slots_empty():
+    """Prompt lookup on sampled text fills 2% of a deep tier's slots: K=15 then verifies a
+    third of a draft per sequence, its steps cost what K=0's do, and it ties K=0. It is kept
+    (a copy that starts lands at once); the same tie with its slots filled is left."""
+    def after(k: int, proposing: float) -> int:
+        profile = [(1, 0, 0.008), (1, 1, 0.008), (1, 15, 0.016)]
+        policy = goodput(switch_margin=0.05, profile=profile, prior_strength=0)
+        signals = window(k, 0.0, batch=1, steps=50, proposing=proposing)
+        return policy.decide(Signals(**{**signals.__dict__, "class_prior": (0.0,)})).k
+
+    assert after(15, proposing=0.02) == 15
+    assert after(7, proposing=0.02) == 7
+    assert after(15, proposing=0.5) == 0, "a tier verifying 7 drafts a step costs more"
+
+
 def test_goodput_dwell_blocks_early_switches():
     policy = goodput(min_dwell_steps=100)
     assert all(policy.decide(window(3, 1.0, batch=1)).k == 3 for _ in range(20))
