@@ -115,11 +115,13 @@ def pick_warm(tied: list[str], last_class: dict[str, str], request_class: str,
 
 
 class RecentByClass:
-    """The last few distinct replicas (ids) each request class was sent to."""
+    """The last few distinct replicas (ids) each request class was sent to, and the class
+    each replica was sent last (`last_class`, for `pick_warm`)."""
 
     def __init__(self, size: int = RECENT_PER_CLASS):
         self.size = size
         self._recent: dict[str, list[str]] = {}
+        self.last_class: dict[str, str] = {}
 
     def get(self, request_class: str) -> list[str]:
         return self._recent.get(request_class, [])
@@ -130,6 +132,7 @@ class RecentByClass:
             recent.remove(replica_id)
         recent.insert(0, replica_id)
         del recent[self.size:]
+        self.last_class[replica_id] = request_class
 
 
 def sample_candidates(replicas: list[T], rng: random.Random, also: list[T] = ()) -> list[T]:
@@ -194,8 +197,6 @@ class ClassGatheringRouter(RequestRouter):
         # not all see the same counts and pick the same replica.
         self._reserved: dict[str, tuple[ReplicaID, float]] = {}
         self.recent = RecentByClass()
-        self.last_class: dict[str, str] = {}
-        """Replica id -> the class of the last request this router sent it."""
         self.router_id = uuid.uuid4().hex
         self.reporter = RoutedReporter(self.in_flight, self.router_id)
         self.rng = random.Random()
@@ -226,12 +227,11 @@ class ClassGatheringRouter(RequestRouter):
                                      own_same + others_same))
         best, *rest = rank_replicas(loads)
         # Serve tries the first rank first: make it one replica.
-        pick = pick_warm(best, self.last_class, request_class, self.rng)
+        pick = pick_warm(best, self.recent.last_class, request_class, self.rng)
         ranks = [[pick], *([[r for r in best if r != pick]] if len(best) > 1 else []), *rest]
         if request_id is not None:
             self._reserved[request_id] = (by_id[pick].replica_id, time.monotonic())
         self.recent.record(request_class, pick)
-        self.last_class[pick] = request_class
         logger.debug("routing a %s request over %s: %s", request_class, loads, ranks)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 

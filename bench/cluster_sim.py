@@ -296,7 +296,6 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
         fleet.append(replica)
     hub = ClusterState(stale_after_s=3 * TELEMETRY_PERIOD_S)
     recent_by_class = RecentByClass()
-    last_class: dict[str, str] = {}
     rng = random.Random(seed)
     outcome, serial = ModeOutcome(window_s=duration_s), 0
     events: list[tuple[float, int, str, int]] = [(a.at, i, "arrive", i)
@@ -332,10 +331,9 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                 loads = [ReplicaLoad(r.replica_id, r.load,
                                      r.in_flight_classes[arrival.request_class])
                          for r in candidates]
-                pick = pick_warm(rank_replicas(loads)[0], last_class, arrival.request_class,
-                                 rng)
+                pick = pick_warm(rank_replicas(loads)[0], recent_by_class.last_class,
+                                 arrival.request_class, rng)
                 recent_by_class.record(arrival.request_class, pick)
-                last_class[pick] = arrival.request_class
                 target = int(pick[1:])
             else:  # Ray Serve's default: the less loaded of two random replicas
                 a, b = rng.randrange(replicas), rng.randrange(replicas)

@@ -552,13 +552,12 @@ class GoodputPolicy:
         starts lands at once (at K=0 it would first wait for a probe or a class hint). A
         tier that fills its slots and is measured as cheap as the floor is still left: its
         drafts are verified, and the measurement is a fast spell of the machine."""
-        depth = self.draft_fill * tier
+        depth, floor_depth = self.draft_fill * tier, self.draft_fill * floor
         if depth >= 1:
             return False
-        seconds = self.costs.predict_row(self._batch(signals),
-                                         (self.draft_fill * floor, depth))
-        cheapest = seconds.get(self.draft_fill * floor)
-        return cheapest is not None and seconds[depth] <= cheapest * (1 + DRAFT_TIE)
+        seconds = self.costs.predict_row(self._batch(signals), (floor_depth, depth))
+        return floor_depth in seconds and \
+            seconds[depth] <= seconds[floor_depth] * (1 + DRAFT_TIE)
 
     def _floor(self, signals: Signals) -> int:
         """Where a tier whose drafts buy nothing goes without the margin: K=0, when the

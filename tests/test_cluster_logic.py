@@ -62,10 +62,10 @@ def test_router_sends_a_class_where_it_went_last_when_replicas_tie():
     """One request at a time over two idle replicas: each class settles on its own replica
     (a random pick would move copy requests onto the replica a sampled one just left at
     K=0), and a replica nothing went to comes before one the other class holds."""
-    rng, last_class, picks = random.Random(0), {}, []
+    rng, recent, picks = random.Random(0), RecentByClass(), []
     for request_class in ["greedy", "sampled"] * 20:
-        pick = pick_warm(["a", "b"], last_class, request_class, rng)
-        last_class[pick] = request_class
+        pick = pick_warm(["a", "b"], recent.last_class, request_class, rng)
+        recent.record(request_class, pick)
         picks.append((request_class, pick))
     by_class = {c: {p for rc, p in picks if rc == c} for c in ("greedy", "sampled")}
     assert len(by_class["greedy"]) == len(by_class["sampled"]) == 1
@@ -83,6 +83,8 @@ def test_router_remembers_where_each_class_went_for_sampled_fleets():
     for replica in ("r1", "r2", "r1", "r3"):
         recent.record("greedy", replica)
     assert recent.get("greedy") == ["r3", "r1"] and recent.get("sampled") == []
+    recent.record("sampled", "r1")
+    assert recent.last_class == {"r1": "sampled", "r2": "greedy", "r3": "greedy"}
     fleet = [f"r{i}" for i in range(100)]
     sample = sample_candidates(fleet, random.Random(0), also=["r7", "r8"])
     assert {"r7", "r8"} <= set(sample) and len(sample) <= RANK_SAMPLE + 2
