@@ -92,9 +92,6 @@ class GoodputConfig(BaseModel):
     """A new K must beat the current one's score by this share."""
     min_dwell_steps: int = Field(8, ge=0)
     """Engine steps to stay on a tier after switching."""
-    reversal_damping: int = Field(3, ge=0)
-    """How many times a ping-pong may double the margin and the dwell (see
-    `GoodputPolicy._reversals`); 0 never damps."""
     acceptance_decay: float = Field(0.7, gt=0, le=1)
     """Per-decision decay of the per-position acceptance windows."""
     shift_threshold: float = Field(0.3, gt=0, le=1)
@@ -451,10 +448,6 @@ class GoodputPolicy:
         self._fill = (0.0, 0.0)  # decayed (draft tokens verified, that could have been)
         self._steps = 0
         self._last_drafted = [0] * max(1, max(candidates))  # step count when last drafted
-        self._last_move: tuple[int, int, int] | None = None
-        """The last switch the margin made: (from K, to K, step count then)."""
-        self._reversals = 0
-        """Recent ping-pongs (see `_damping`): each doubles the margin and the dwell."""
 
     def _batch(self, signals: Signals) -> int:
         return signals.verify_batch(signals.effective_concurrency if
@@ -525,9 +518,7 @@ class GoodputPolicy:
                   "draft_fill": self.draft_fill}
         if signals.class_prior:
             inputs["class_hint"] = signals.class_prior[0]
-        self._relax()
-        damping = 2 ** self._reversals
-        if self._steps_on_tier < self.config.min_dwell_steps * damping:
+        if self._steps_on_tier < self.config.min_dwell_steps:
             return Decision(current, "dwell", inputs)
         deeper = [k for k in self.candidates if k > current]
         expected = self._tier_the_classes_expect(signals, scores, deeper) \
@@ -542,10 +533,8 @@ class GoodputPolicy:
                 not self._fleet_measured(signals, deeper[0]):
             self._steps_on_tier = 0
             return Decision(deeper[0], "probe: measure the next tier's positions", inputs)
-        if best != current and \
-                scores[best] > scores[current] * (1 + self.config.switch_margin * damping):
+        if best != current and scores[best] > scores[current] * (1 + self.config.switch_margin):
             self._steps_on_tier = 0
-            self._record_move(current, best)
             return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",
                             inputs)
         floor = self._floor(signals)
@@ -554,25 +543,6 @@ class GoodputPolicy:
             self._steps_on_tier = 0  # drafting must earn its margin; this tier buys nothing
             return Decision(floor, f"drafts at K={current} buy nothing over K={floor}", inputs)
         return Decision(current, "current tier is within the margin of the best", inputs)
-
-    def _record_move(self, current: int, best: int) -> None:
-        """Count a margin switch straight back to the tier the last one left, within a probe
-        interval of it, as a ping-pong: the two predictions contradicted each other (each
-        tier's own measurements price the other above it: noise, or a batch mix that moves
-        with K), so neither is worth acting on at the present margin."""
-        last = self._last_move
-        if last is not None and last[:2] == (best, current) and \
-                self._steps - last[2] < self.config.probe_interval_steps:
-            self._reversals = min(self._reversals + 1, self.config.reversal_damping)
-        self._last_move = (current, best, self._steps)
-
-    def _relax(self) -> None:
-        """A probe interval without a margin switch takes one ping-pong off the count."""
-        last = self._last_move
-        if self._reversals and last is not None and \
-                self._steps - last[2] >= self.config.probe_interval_steps:
-            self._reversals -= 1
-            self._last_move = (*last[:2], self._steps)
 
     def _idle_drafter(self, signals: Signals, tier: int, floor: int) -> bool:
         """Whether `tier` verifies less than one draft per sequence a step (the drafter
