@@ -65,7 +65,7 @@ def summarise(steps: list[StepRecord]) -> tuple[float, float, float]:
     """(acceptance length, median step ms, share of draft slots filled)."""
     drafts = sum(s.drafts for s in steps)
     accepted = sum(s.accepted_tokens for s in steps)
-    timed = [s.wall_s for s in steps if s.wall_s > 0]
+    timed = [s.wall_s for s in steps if s.times_decoding]
     slots = sum(s.draft_slots for s in steps)
     accept_len = 1 + accepted / drafts if drafts else 1.0
     return (accept_len, 1000 * statistics.median(timed) if timed else 0.0,
@@ -77,7 +77,7 @@ def step_ms_by_depth(drafter: str, concurrency: int, steps: list[StepRecord]
     """Median step time by draft tokens per sequence (rounded), over full-batch steps."""
     by_depth: dict[int, list[float]] = {}
     for step in steps:
-        if step.wall_s > 0 and step.running == concurrency:
+        if step.times_decoding and step.running == concurrency:
             by_depth.setdefault(step.draft_depth, []).append(1000 * step.wall_s)
     return [{"drafter": drafter, "concurrency": concurrency, "depth": depth,
              "steps": len(times), "median_step_ms": statistics.median(times)}

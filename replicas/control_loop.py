@@ -41,10 +41,11 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         accepted_tokens=sum(s.accepted_tokens for s in steps),
         accepted_per_pos=tuple(accepted), drafted_per_pos=tuple(drafted),
         # A step costs by the drafts it verified, not by its tier: prompt lookup on sampled
-        # text leaves a deep tier's steps as cheap as K=0's. Steps of unknown length are
-        # left out.
+        # text leaves a deep tier's steps as cheap as K=0's. Steps of unknown length, and
+        # steps that also prefilled prompts, are left out: a phase's burst of new prompts
+        # charged to the depth in force made that tier look up to 10x dearer for a while.
         step_costs=tuple(StepCost(s.running, s.draft_depth, s.wall_s)
-                         for s in steps if s.wall_s > 0 and s.running > 0),
+                         for s in steps if s.times_decoding),
         requests=RequestWindows() if requests is None else requests, cluster=cluster,
         now_s=now_s, max_batch=max_batch,
         class_prior=class_prior.rates, class_prior_fresh=class_prior.fresh,

@@ -187,6 +187,19 @@ def test_fold_keeps_per_position_counts_unbiased_across_k_changes():
     assert signals.draft_slots == 2 * 7 + 2 * 1
 
 
+def test_fold_leaves_prefill_steps_out_of_the_cost_model_but_counts_their_drafts():
+    decode = StepRecord(running=4, waiting=0, k=7, wall_s=0.02, drafts=4, draft_tokens=28,
+                        accepted_tokens=20, accepted_per_pos=(4,) * 5 + (0,) * 2,
+                        drafted_per_pos=(4,) * 7)
+    with_prompts = StepRecord(running=8, waiting=0, k=7, wall_s=0.09, drafts=4,
+                              draft_tokens=28, accepted_tokens=20,
+                              accepted_per_pos=(4,) * 5 + (0,) * 2, drafted_per_pos=(4,) * 7,
+                              prefill_tokens=300)
+    signals = fold_steps([decode, with_prompts], (0, 1, 7), current_k=7)
+    assert [(c.batch, c.seconds) for c in signals.step_costs] == [(4, 0.02)]
+    assert signals.accepted_tokens == 40 and signals.drafted_per_pos[0] == 8
+
+
 def test_fold_prices_a_step_by_the_drafts_it_verified():
     """At K=7, one of four sequences proposed 6 drafts: the step verified 1.5 per sequence,
     and its cost is recorded at depth 2 (rounded), not at its tier."""

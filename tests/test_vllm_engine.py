@@ -148,6 +148,28 @@ async def test_set_k_sets_drafted_tokens_per_step(ngram_engine, k):
         assert not any(step.drafted_per_pos[k:]), "nothing drafted beyond K"
 
 
+async def test_steps_that_prefill_a_prompt_are_marked(ngram_engine):
+    """A prompt arriving while another request decodes is prefilled in a step of its own
+    count of prompt tokens, and that step is not timed as decoding."""
+    await ngram_engine.set_k(3)
+    ngram_engine.drain_steps()
+    first = ngram_engine.generate(greedy(COPY_PROMPT, max_tokens=96))
+    await anext(first)  # prefilled, decoding now
+
+    async def finish_first() -> None:
+        async for _ in first:
+            pass
+
+    await asyncio.gather(finish_first(),
+                         generate_ids(ngram_engine, greedy(FREE_PROMPTS[0], max_tokens=8)))
+    steps = ngram_engine.drain_steps()
+    prompt_tokens = len(ngram_engine.tokenizer.encode(FREE_PROMPTS[0]))
+    marked = [s for s in steps if s.prefill_tokens]
+    assert [s.prefill_tokens for s in marked][-1] == prompt_tokens
+    assert not any(s.times_decoding for s in marked)
+    assert sum(s.times_decoding for s in steps) >= len(steps) // 2
+
+
 async def test_counters_agree_with_vllm_prometheus(ngram_engine):
     """Our per-step totals move exactly as vLLM's own spec-decode Prometheus counters do."""
     await ngram_engine.set_k(3)

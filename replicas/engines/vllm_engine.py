@@ -166,7 +166,8 @@ class _StepLog:
                 window.extend(zip(outcome.per_step_accepted, outcome.per_step_drafted,
                                   strict=True))
 
-    def record(self, running: int, waiting: int, spec_stats: Any, generated: int) -> None:
+    def record(self, running: int, waiting: int, spec_stats: Any, generated: int,
+               prefilled: int) -> None:
         now = time.perf_counter()
         # The engine steps back to back while it has work, so the gap between two busy steps
         # is the step's wall time; the first step after idle has no measurable time (0).
@@ -185,7 +186,7 @@ class _StepLog:
         step = StepRecord(running=running, waiting=waiting, k=self.k, wall_s=wall,
                           drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
                           accepted_per_pos=accepted_pos, drafted_per_pos=drafted_pos,
-                          generated_tokens=generated)
+                          generated_tokens=generated, prefill_tokens=prefilled)
         self.records.append(step)
         self.totals.add(step)
 
@@ -208,8 +209,10 @@ def _stat_logger_factory(step_log: _StepLog):
             if scheduler_stats is None:
                 return
             generated = iteration_stats.num_generation_tokens if iteration_stats else 0
+            # Counted on the step that finishes a request's prefill (its first token).
+            prefilled = iteration_stats.num_prompt_tokens if iteration_stats else 0
             step_log.record(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
-                            scheduler_stats.spec_decoding_stats, generated)
+                            scheduler_stats.spec_decoding_stats, generated, prefilled)
 
         def log_engine_initialized(self) -> None:
             pass
