@@ -192,6 +192,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     await client.resolve_model()
     phases = (transition_phases(args.requests, args.concurrency)
               if args.workload == "transition" else sweep_phases(args.requests))
+    if args.phases:  # a subset, in the workload's order (e.g. to study one phase)
+        unknown = set(args.phases) - {p.name for p in phases}
+        if unknown:
+            raise SystemExit(f"unknown phases {sorted(unknown)}: the {args.workload} workload "
+                             f"has {[p.name for p in phases]}")
+        phases = [p for p in phases if p.name in args.phases]
     origin = time.perf_counter()
     deployed = (await client.replicas())[0]["policy"]  # as deployed, before any mode changes it
     rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
@@ -325,6 +331,8 @@ def main() -> None:
                         help="run every mode this many times, interleaved; report medians")
     parser.add_argument("--modes", type=lambda s: s.split(","),
                         default=["static1", "static3", "static7", "static15", "ema", "goodput"])
+    parser.add_argument("--phases", type=lambda s: s.split(","), default=None,
+                        help="run only these of the workload's phases (default: all)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)

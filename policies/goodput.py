@@ -61,7 +61,7 @@ from typing import Literal, TypeVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.outcomes import position_counts
+from policies.outcomes import survival_counts
 from policies.signals import Decision, RequestWindows, Signals, StepCost
 
 P = TypeVar("P")  # the point type of a cost table (see _predict_row)
@@ -310,16 +310,21 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
     batch as it is now overstates a deeper K for a mixed batch, and once there it still
     prefers the deep K at that K's own, thinner mix.
 
-    L_r(K) = 1 + sum_{k<K} r_k, where r_k is the request's share of steps with more than k
-    drafts accepted among its steps that drafted position k, shrunk with `prior_strength`
-    steps towards a guess. The guess is what the request's class showed before
-    (`request_priors`, one per row; () where unknown), else the replica's: `landing[k]` (its
-    per-sequence-step rate) at the first position, else the request's previous position
-    times the conditional rate there (which also extends the request past the deepest
-    position it drafted). Its class first: a request that just arrived has no outcomes yet,
-    and the replica's rates describe the traffic before it, which at a change of phase is
-    another class's (a replica fresh from copy traffic priced new sampled requests as copy
-    and kept a deep K into the sampled phase).
+    L_r(K) = 1 + sum_{k<K} r_k, where r_k, the request's share of steps with more than k
+    drafts accepted, is the product of its conditional rates c_j = P(position j lands |
+    positions before it landed) for j <= k. Each c_j is counted over the request's steps that
+    drafted position j having landed the ones before it (`survival_counts`), shrunk with
+    `prior_strength` steps towards a guess: what the request's class showed before
+    (`request_priors`, one per row; () where unknown), else the replica's (`landing[0]`, its
+    per-sequence-step rate, at the first position; its conditional rates past it). A step
+    is evidence only about the positions it reached: a first step without drafts (vLLM's
+    after a prefill) lowers c_0 alone. Counted per position instead, it lowered every
+    position by the same shrinkage, compounded: a copy request two steps old was priced at
+    2.8 tokens a step at K=15 against its class's 12, and the replica left K=15 for K=3 at
+    the start of every copy request. The class comes first: a request that just arrived has
+    no outcomes yet, and the replica's rates describe the traffic before it, which at a
+    change of phase is another class's (a replica fresh from copy traffic priced new sampled
+    requests as copy and kept a deep K into the sampled phase).
 
     Vectorised over requests (see `policies.outcomes`).
     """
@@ -327,30 +332,23 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
     if not rows or not kmax:
         return None
     drafted, landed = requests.clipped(kmax)
-    drafted_to = int(drafted.max(initial=0))  # positions some request drafted
     first, conditional = _guesses(landing, request_priors, rows)
-    if not drafted_to and first is None:
+    if not drafted.any() and first is None:
         return None
-    # Per request and position k: steps that drafted k; steps that landed it.
-    reach, beyond = position_counts(drafted, landed, np.arange(rows), rows, kmax)
-    # Without a prior, a position a request never drafted has no evidence: the guess stands.
-    weight = reach + prior_strength if prior_strength else np.maximum(reach, 1)
-    rates = np.empty((kmax, rows))  # r_k per position (rows) and request (columns)
-    rate = np.ones(rows)
-    for k in range(max(drafted_to, 1)):
-        guess = (landing[0] if first is None else first) if k == 0 else rate * conditional[k]
-        own = (beyond[:, k] + prior_strength * guess) / weight[:, k]
-        if not prior_strength:
-            own = np.where(reach[:, k] == 0, guess, own)
-        rate = rates[k] = np.minimum(own, rate)  # more than k accepted needs more than k-1
-    # Deeper, no request has evidence: each goes on from its last rate by the guess alone
-    # (the loop above would give the same, a position at a time).
-    top = max(drafted_to, 1)
-    rates[top:] = np.cumprod(conditional[top:], axis=0) * rate
+    guess = np.array(conditional, dtype=float)  # [kmax, rows]; row 0 set here
+    guess[0] = landing[0] if first is None else first
+    at_risk, beyond = (counts.T for counts in survival_counts(drafted, landed, kmax))
+    if prior_strength:
+        rates = (beyond + prior_strength * guess) / (at_risk + prior_strength)
+    else:  # without a prior, a position no step reached has no evidence: the guess stands
+        rates = np.where(at_risk > 0, beyond / np.maximum(at_risk, 1), guess)
+    np.cumprod(rates, axis=0, out=rates)  # r_k per position (rows) and request (columns)
     lengths = np.ones((kmax + 1, rows))  # L_r(K) for K = 0..kmax
     np.cumsum(rates, axis=0, out=lengths[1:])
     lengths[1:] += 1
     tokens = landed.sum(axis=1) + requests.lengths  # a step: its landed drafts and one more
+    if not tokens.any():  # only requests without outcomes yet (priced by class): alike
+        tokens = np.ones(rows)
     per_step = tokens.sum() / (tokens / lengths[[min(k, kmax) for k in ks]]).sum(axis=1)
     return dict(zip(ks, per_step.tolist(), strict=True))
 

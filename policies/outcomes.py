@@ -25,6 +25,24 @@ def position_counts(drafted: np.ndarray, landed: np.ndarray, group: np.ndarray, 
     return counts[0], counts[1]
 
 
+def survival_counts(drafted: np.ndarray, landed: np.ndarray, width: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """([row, k], [row, k]) for k < `width`, one row per request: the steps that drafted
+    position k having landed every position before it (at risk at k), and those that landed
+    position k. Their ratio is the conditional rate at k, the evidence a step gives about
+    each position: a step that landed nothing says nothing about position 3, and one that
+    landed all of its k drafts says nothing about position k."""
+    rows = drafted.shape[0]
+    reach, beyond = position_counts(drafted, landed, np.arange(rows), rows, width)
+    # Steps that landed all of exactly v drafts, per row and v (v = 0: no draft at all).
+    bins = np.arange(rows)[:, None] * (width + 1) + drafted
+    whole = np.bincount(bins[landed == drafted], minlength=rows * (width + 1)
+                        ).reshape(rows, width + 1)
+    at_risk = reach.copy()
+    at_risk[:, 1:] = beyond[:, :-1] - whole[:, 1:width]
+    return at_risk, beyond
+
+
 def reaching(histogram: np.ndarray) -> np.ndarray:
     """From counts of values 0..width along the last axis, how many values are at least k + 1
     for k < width (of drafts offered: steps that drafted position k; of drafts accepted:

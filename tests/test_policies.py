@@ -249,25 +249,60 @@ def test_steady_lengths_weigh_each_request_by_its_share_of_the_tokens():
     landing = [0.25] * 15  # a quarter of the sequence-steps land every draft
     lengths = steady_lengths(requests, landing, 4.0, CANDIDATES)
     assert lengths[3] == pytest.approx((8 * 4 + 24) / 32, rel=0.05)  # the batch as it is
-    # Copy-like requests hold 4/7 of the tokens; at K=15 they would make about 14 a step and
-    # the sampled ones still 1: about 2.2 tokens per sequence-step, not the 4.75 that the
-    # batch's mean (1 + 15 x 0.25) promises.
-    assert lengths[15] == pytest.approx(1 / ((3 / 7) / 1.03 + (4 / 7) / 14.7), rel=0.05)
+    # Copy-like requests hold 4/7 of the tokens; at K=15 they would make about 14.7 a step.
+    # A sampled one landed its first draft in none of 30 steps: its first position is shrunk
+    # to 1 / 34 and its deeper ones, which no step reached, keep the replica's conditional
+    # rates (1 here: a quarter of the steps land every draft), so about 1.44 a step. About 3
+    # tokens per sequence-step, not the 4.75 that the batch's mean (1 + 15 x 0.25) promises.
+    sampled = 1 + 15 * (4 * 0.25) / (30 + 4)
+    assert lengths[15] == pytest.approx(1 / ((3 / 7) / sampled + (4 / 7) / 14.7), rel=0.05)
     assert steady_lengths(mixed_batch(0, 4, k=0), landing, 4.0, CANDIDATES) is None
+
+
+def test_steady_lengths_count_a_step_only_at_the_positions_it_reached():
+    """A step is evidence about the positions it reached. vLLM's first steps after a prefill
+    draft nothing: a copy request two steps old has two outcomes of 0 of 15, which lower its
+    first position and leave its class's conditional rates past it. Counted at every position,
+    the same shrinkage compounded: the request was priced at 2.75 tokens a step at K=15
+    against 8.4 here, and the replica left K=15 for K=3 at the start of every copy request.
+    A step that landed all of its K drafts says nothing about position K either."""
+    copy_class = tuple(0.96 * 0.97 ** k for k in range(15))  # conditionals 0.96, 0.97, ...
+
+    def priced(accepted: tuple[int, ...], drafted: tuple[int, ...]) -> dict[int, float]:
+        request = RequestWindows.of([RequestAcceptance("c", accepted, drafted)])
+        return steady_lengths(request, [0.5] * 15, 4.0, CANDIDATES, [copy_class])
+
+    def lengths(conditionals: list[float]) -> dict[int, float]:
+        return {k: 1 + sum(np.prod(conditionals[:j + 1]) for j in range(k)) for k in CANDIDATES}
+
+    first = 4 * 0.96 / (2 + 4)
+    assert priced((0, 0), (15, 15)) == pytest.approx(lengths([first] + [0.97] * 14))
+    assert priced((0, 0), (15, 15))[15] > 8
+    landed_all = (4 + 4 * 0.97) / (4 + 4)  # positions 1 and 2: 4 of 4 steps, shrunk
+    assert priced((3,) * 4, (3,) * 4) == pytest.approx(
+        lengths([(4 + 4 * 0.96) / 8, landed_all, landed_all] + [0.97] * 12))
 
 
 def test_goodput_does_not_go_deep_on_a_mixed_batch_whose_copy_requests_would_leave():
     """Half copy, half sampled requests at batch 32 (the HTTP sweep at concurrency 64): at K=3
     a quarter of the slots hold copy requests. K=15 looks 2x better on the batch as it is,
-    but at K=15 the copy requests finish 4x faster and sampled ones fill their slots; the
-    measured best static depths there are K=1 and K=3."""
-    def decide(requests: RequestWindows) -> int:
+    but at K=15 the copy requests finish 4x faster and sampled ones fill their slots. With
+    the requests' classes known (the app's ingress tags each one), the steady state with
+    these step costs is K=3."""
+    def decide(requests: RequestWindows, priors: tuple[tuple[float, ...], ...] = ()) -> int:
         policy = goodput(profile=MEASURED)
         signals = window(3, 1.0, batch=32, proposing=0.25)
-        return policy.decide(Signals(**{**signals.__dict__, "requests": requests})).k
+        return policy.decide(Signals(**{**signals.__dict__, "requests": requests,
+                                        "request_priors": priors})).k
 
+    copy_class = tuple(0.97 ** (k + 1) for k in range(15))
+    sampled_class = tuple(0.03 * 0.2 ** k for k in range(15))
+    mixed = mixed_batch(copy=8, sampled=24)
     assert decide(RequestWindows()) == 15  # without per-request outcomes: the batch's mean
-    assert decide(mixed_batch(copy=8, sampled=24)) in (1, 3)
+    # Classes unknown: the sampled requests' deeper positions, which none of their steps
+    # reached, borrow the replica's conditional rates (the copy requests'), yet not K=15.
+    assert decide(mixed) < 15
+    assert decide(mixed, (copy_class,) * 8 + (sampled_class,) * 24) in (1, 3)
     assert decide(mixed_batch(copy=32, sampled=0)) == 15  # a uniform batch still goes deep
 
 
