@@ -458,6 +458,12 @@ class GoodputPolicy:
         is known), with drafts proposed at a share `share` of the sequence-steps (default:
         the measured `draft_share`)."""
         batch = self._batch(signals)
+        return {k: batch * length / seconds
+                for k, (length, seconds) in self.breakdown(signals, rates, share, ks).items()}
+
+    def breakdown(self, signals: Signals, rates: list[float], share: float | None = None,
+                  ks: tuple[int, ...] | None = None) -> dict[int, tuple[float, float]]:
+        """Per candidate in `ks` (see `scores`): (tokens per sequence-step, step seconds)."""
         ks = self.candidates if ks is None else ks
         share = self.draft_share if share is None else share
         landing = [share * rate for rate in rates]
@@ -467,8 +473,8 @@ class GoodputPolicy:
             lengths = {k: 1 + sum(landing[:k]) for k in ks}
         # A tier costs what the drafts it would verify cost (see `draft_fill`).
         depths = {k: self.draft_fill * k for k in ks}
-        seconds = self.costs.predict_row(batch, tuple(depths.values()))
-        return {k: batch * lengths[k] / seconds[depth] for k, depth in depths.items()
+        seconds = self.costs.predict_row(self._batch(signals), tuple(depths.values()))
+        return {k: (lengths[k], seconds[depth]) for k, depth in depths.items()
                 if depth in seconds}
 
     @property
@@ -506,12 +512,18 @@ class GoodputPolicy:
         prior = signals.class_prior or (signals.cluster.acceptance_prior if signals.cluster
                                         else ())
         rates = self.acceptance.rates(prior)
-        scores = self.scores(signals, rates)
-        if not scores or current not in scores:
+        parts = self.breakdown(signals, rates)
+        if current not in parts:
             return Decision(current, "no cost data yet")
+        batch = self._batch(signals)
+        scores = {k: batch * length / seconds for k, (length, seconds) in parts.items()}
         best = max(scores, key=lambda k: (scores[k], -k))  # ties go to the smaller K
         inputs = {"batch": float(max(1, signals.effective_concurrency)),
                   "score_current": scores[current], "score_best": scores[best],
+                  # Why a score is what it is: tokens per sequence-step and the step's ms.
+                  "tokens_current": parts[current][0], "tokens_best": parts[best][0],
+                  "step_ms_current": 1000 * parts[current][1],
+                  "step_ms_best": 1000 * parts[best][1],
                   "first_draft": rates[0], "draft_share": self.draft_share,
                   "draft_fill": self.draft_fill}
         if signals.class_prior:
