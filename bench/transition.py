@@ -52,6 +52,15 @@ def sweep_phases(requests: int) -> list[Phase]:
             for i, c in enumerate((1, 16, 64, 1))]
 
 
+def select_phases(phases: list[Phase], names: list[str]) -> list[Phase]:
+    """The named phases, in the workload's order (e.g. to study one phase on its own)."""
+    unknown = set(names) - {p.name for p in phases}
+    if unknown:
+        raise SystemExit(f"unknown phases {sorted(unknown)}: the workload has "
+                         f"{[p.name for p in phases]}")
+    return [p for p in phases if p.name in names]
+
+
 def policy_for_mode(mode: str, deployed: dict[str, Any]) -> dict[str, Any]:
     """`static7` -> static K=7; the deployed policy's name -> its deployed config (e.g. the
     goodput policy keeps its step-cost profile); any other name -> that policy's defaults."""
@@ -192,12 +201,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     await client.resolve_model()
     phases = (transition_phases(args.requests, args.concurrency)
               if args.workload == "transition" else sweep_phases(args.requests))
-    if args.phases:  # a subset, in the workload's order (e.g. to study one phase)
-        unknown = set(args.phases) - {p.name for p in phases}
-        if unknown:
-            raise SystemExit(f"unknown phases {sorted(unknown)}: the {args.workload} workload "
-                             f"has {[p.name for p in phases]}")
-        phases = [p for p in phases if p.name in args.phases]
+    if args.phases:
+        phases = select_phases(phases, args.phases)
     origin = time.perf_counter()
     deployed = (await client.replicas())[0]["policy"]  # as deployed, before any mode changes it
     rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.transition import combine, plot, report, typical_round
+import pytest
+
+from bench.transition import combine, plot, report, select_phases, sweep_phases, typical_round
 
 
 def _round(throughput: float, low: float, errors: int, switches: int) -> dict:
@@ -41,3 +43,11 @@ def test_the_plot_shows_each_adaptive_mode_in_its_median_round(tmp_path: Path) -
     modes = {"static1": combine([_round(300, 250, 0, 0)]), "goodput": combine(rounds)}
     plot({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 3}, tmp_path / "k.png")
     assert (tmp_path / "k.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_subset_of_phases_runs_in_the_workloads_order() -> None:
+    phases = sweep_phases(8)
+    assert [p.name for p in select_phases(phases, ["c1_end", "c1"])] == ["c1", "c1_end"]
+    assert [p.concurrency for p in select_phases(phases, ["c64"])] == [64]
+    with pytest.raises(SystemExit, match="c32"):
+        select_phases(phases, ["c32"])
