@@ -27,11 +27,11 @@ WORKLOADS = {
     # otherwise), kept low so the concurrency-1 phases stay minutes, not tens of minutes.
     # Both run several rounds, modes interleaved (medians): one phase of one mode moves by up
     # to 2x between runs on a 2-core machine (the sweep's goodput at concurrency 64 went from
-    # 0.68x to 1.24x static3 between two single runs). The transition takes about 3 minutes
-    # a round and gets five; the sweep about 6 and gets three (with two, the "median" is the
-    # mean of two, and one slow phase of one round moves it).
+    # 0.68x to 1.24x static3 between two single runs). Five rounds each: the transition
+    # takes about 3 minutes a round, the sweep about 6 (with three, the sweep's per-round
+    # ratios spread 0.98-1.02x around a verdict line at 1.0, and one round moved the median).
     "transition": ["--requests", "16", "--concurrency", "8", "--rounds", "5"],
-    "sweep": ["--requests", "8", "--rounds", "3"],
+    "sweep": ["--requests", "8", "--rounds", "5"],
 }
 
 
