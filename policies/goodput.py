@@ -320,7 +320,7 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
     is evidence only about the positions it reached: a first step without drafts (vLLM's
     after a prefill) lowers c_0 alone. Counted per position instead, it lowered every
     position by the same shrinkage, compounded: a copy request two steps old was priced at
-    2.8 tokens a step at K=15 against its class's 12, and the replica left K=15 for K=3 at
+    2.75 tokens a step at K=15 against its class's 12, and the replica left K=15 for K=3 at
     the start of every copy request. The class comes first: a request that just arrived has
     no outcomes yet, and the replica's rates describe the traffic before it, which at a
     change of phase is another class's (a replica fresh from copy traffic priced new sampled
@@ -351,6 +351,11 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
         tokens = np.ones(rows)
     per_step = tokens.sum() / (tokens / lengths[[min(k, kmax) for k in ks]]).sum(axis=1)
     return dict(zip(ks, per_step.tolist(), strict=True))
+
+
+def _scores(parts: dict[int, tuple[float, float]], batch: int) -> dict[int, float]:
+    """Tokens/s per K from `GoodputPolicy.breakdown`'s (tokens per sequence-step, seconds)."""
+    return {k: batch * length / seconds for k, (length, seconds) in parts.items()}
 
 
 def _guesses(landing: list[float], request_priors: Sequence[tuple[float, ...]], rows: int
@@ -457,9 +462,7 @@ class GoodputPolicy:
         """Expected tokens/s per candidate in `ks` (default: all; empty until some step cost
         is known), with drafts proposed at a share `share` of the sequence-steps (default:
         the measured `draft_share`)."""
-        batch = self._batch(signals)
-        return {k: batch * length / seconds
-                for k, (length, seconds) in self.breakdown(signals, rates, share, ks).items()}
+        return _scores(self.breakdown(signals, rates, share, ks), self._batch(signals))
 
     def breakdown(self, signals: Signals, rates: list[float], share: float | None = None,
                   ks: tuple[int, ...] | None = None) -> dict[int, tuple[float, float]]:
@@ -515,8 +518,7 @@ class GoodputPolicy:
         parts = self.breakdown(signals, rates)
         if current not in parts:
             return Decision(current, "no cost data yet")
-        batch = self._batch(signals)
-        scores = {k: batch * length / seconds for k, (length, seconds) in parts.items()}
+        scores = _scores(parts, self._batch(signals))
         best = max(scores, key=lambda k: (scores[k], -k))  # ties go to the smaller K
         inputs = {"batch": float(max(1, signals.effective_concurrency)),
                   "score_current": scores[current], "score_best": scores[best],
