@@ -81,6 +81,10 @@ PRIOR_PAUSE_UPDATES = 8
 # drafting tiers that tie, the deeper one keeps measuring the deep positions (a replay that
 # also left deep tiers for shallower ties fell from 1.52x to 1.36x the best static).
 DRAFT_TIE = 0.01
+# Per-request draft caps tried for each K (see `GoodputPolicy._evaluate`): a request drafts
+# the positions whose drafts land with at least this chance. Free text lands at a few percent
+# a position, code-like text at tens of percent for the first few, copies near 1.
+CAP_THRESHOLDS = (0.05, 0.15, 0.3, 0.5)
 
 
 class GoodputConfig(BaseModel):
@@ -106,6 +110,14 @@ class GoodputConfig(BaseModel):
     cost_decay: float = Field(0.98, gt=0, le=1)
     """Per-observation decay of a measured step cost (the EWMA takes 1 - decay of each new
     step): slow, because step wall times on a shared machine jitter by tens of percent."""
+    draft_caps: bool = True
+    """Cap each request's drafts at the positions worth verifying, where the engine can
+    (`Signals.draft_caps_apply`): in a batch that mixes requests whose drafts land with
+    requests whose drafts fail, one K for all either starves the first or makes every step
+    verify the second's failing drafts."""
+    min_draft_cap: int = Field(1, ge=0)
+    """Drafts a capped request still verifies: its evidence that drafts land again (a cap of
+    0 would measure nothing, and the cap would never lift)."""
     profile: list[tuple[int, int, float]] = Field(default_factory=list)
     """Seed step costs: (batch, draft tokens per sequence, seconds) rows, e.g. from
     `bench.engine_bench` at tiers the drafter fills (there the depth is K)."""
@@ -201,8 +213,17 @@ class _CostPoint:
 def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], batch: int,
                  ks: tuple[float, ...]) -> dict[float, float]:
     """Per K in `ks`, the cost at `batch` from a table of k -> batch -> point: piecewise-linear
-    in batch per known K, made non-decreasing in K, then piecewise-linear in K."""
+    in batch per known K, made non-decreasing in K, then piecewise-linear in K.
+
+    Only the depths measured on both sides of `batch` (or at it) take part while there are
+    two: a depth seen at one far batch size would otherwise be extrapolated flat to every
+    batch size, and, costs being made non-decreasing in K, lift every deeper tier with it
+    (capped steps verify depths between the tiers: one such step at batch 64 priced K=15 at
+    batch 1 at 82 ms against its measured 12)."""
     known = sorted(table)
+    bracketing = [k for k in known if min(table[k]) <= batch <= max(table[k])]
+    if len(bracketing) >= 2:
+        known = bracketing
     if not known:
         return {}
     at_batch, floor = {}, 0.0
@@ -297,34 +318,67 @@ class AcceptanceWindow:
         return rates
 
 
-def steady_lengths(requests: RequestWindows, landing: list[float], prior_strength: float,
-                   ks: tuple[int, ...], request_priors: Sequence[tuple[float, ...]] = ()
-                   ) -> dict[int, float] | None:
-    """Tokens per sequence-step at each depth in `ks` once the batch's mix has settled there;
-    None when no request drafted in its window and none has a class prior.
+@dataclass(frozen=True)
+class BatchAcceptance:
+    """Per running request (columns): the chance that each draft position lands, its
+    acceptance length at each depth, and its share of the tokens (see `batch_acceptance`)."""
 
-    Speculation changes a batch's mix: requests whose drafts land finish in fewer steps at a
-    deeper K, and their slots go to requests whose drafts fail. Each kind of request keeps its
-    share w_r of the tokens (its share of the tokens generated in its window), so the batch
-    makes 1 / sum_r (w_r / L_r(K)) tokens per sequence-step: a harmonic mean. The mean over the
-    batch as it is now overstates a deeper K for a mixed batch, and once there it still
-    prefers the deep K at that K's own, thinner mix.
+    reach: np.ndarray
+    """[kmax, rows]: r_k, the share of the request's steps that land draft position k."""
+    lengths: np.ndarray
+    """[kmax + 1, rows]: L_r(d) = 1 + sum_{k<d} r_k, tokens per step at depth d."""
+    tokens: np.ndarray
+    """[rows]: tokens the request generated in its window (all ones when none has outcomes)."""
+    full_runs: np.ndarray
+    """[rows]: drafts the request landed in its last step when it landed all of them (0
+    when it missed one, or had none)."""
 
-    L_r(K) = 1 + sum_{k<K} r_k, where r_k, the request's share of steps with more than k
-    drafts accepted, is the product of its conditional rates c_j = P(position j lands |
-    positions before it landed) for j <= k. Each c_j is counted over the request's steps that
-    drafted position j having landed the ones before it (`survival_counts`), shrunk with
-    `prior_strength` steps towards a guess: what the request's class showed before
-    (`request_priors`, one per row; () where unknown), else the replica's (`landing[0]`, its
-    per-sequence-step rate, at the first position; its conditional rates past it). A step
-    is evidence only about the positions it reached: a first step without drafts (vLLM's
-    after a prefill) lowers c_0 alone. Counted per position instead, it lowered every
-    position by the same shrinkage, compounded: a copy request two steps old was priced at
-    2.75 tokens a step at K=15 against its class's 12, and the replica left K=15 for K=3 at
-    the start of every copy request. The class comes first: a request that just arrived has
-    no outcomes yet, and the replica's rates describe the traffic before it, which at a
-    change of phase is another class's (a replica fresh from copy traffic priced new sampled
-    requests as copy and kept a deep K into the sampled phase).
+    def steady(self, ks: tuple[int, ...], caps: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """Per K in `ks`, once the batch's mix has settled there: (tokens per sequence-step,
+        drafts per sequence). Each request drafts min(K, its cap) (`caps`, one per row; None:
+        K for all) and keeps its share w_r of the tokens, so the batch makes
+        1 / sum_r (w_r / L_r) tokens per sequence-step and holds each request in a share of
+        its slots proportional to w_r / L_r."""
+        rows = self.tokens.shape[0]
+        kmax = self.reach.shape[0]
+        depths = np.minimum(np.array(ks)[:, None], kmax if caps is None else caps[None, :])
+        slots = self.tokens / self.lengths[depths, np.arange(rows)]  # [ks, rows]
+        per_slot = slots.sum(axis=1)
+        return self.tokens.sum() / per_slot, (slots * depths).sum(axis=1) / per_slot
+
+    def caps(self, threshold: float, least: int) -> np.ndarray:
+        """Per request, the draft positions that land with at least `threshold`, never fewer
+        than `least`, and twice the drafts it landed whole in its last step. r_k falls with
+        k, so they are a prefix. The doubling is how a capped request shows what lies past
+        its cap: a step that lands all of its drafts says nothing about the next position,
+        so a request capped by a stale guess (the previous phase's traffic) would otherwise
+        stay capped while it copies."""
+        return np.maximum(np.maximum(least, (self.reach >= threshold).sum(axis=0)),
+                          2 * self.full_runs)
+
+
+def batch_acceptance(requests: RequestWindows, landing: list[float], prior_strength: float,
+                     request_priors: Sequence[tuple[float, ...]] = ()
+                     ) -> BatchAcceptance | None:
+    """Each running request's acceptance from its own verify outcomes; None when no request
+    drafted in its window and none has a class prior.
+
+    r_k, the request's share of steps with more than k drafts accepted, is the product of its
+    conditional rates c_j = P(position j lands | positions before it landed) for j <= k. Each
+    c_j is counted over the request's steps that drafted position j having landed the ones
+    before it (`survival_counts`), shrunk with `prior_strength` steps towards a guess: what
+    the request's class showed before (`request_priors`, one per row; () where unknown), else
+    the replica's (`landing[0]`, its per-sequence-step rate, at the first position; its
+    conditional rates past it). A step is evidence only about the positions it reached: a
+    first step without drafts (vLLM's after a prefill) lowers c_0 alone. Counted per position
+    instead, it lowered every position by the same shrinkage, compounded: a copy request two
+    steps old was priced at 2.75 tokens a step at K=15 against its class's 12, and the
+    replica left K=15 for K=3 at the start of every copy request. The class comes first: a
+    request that just arrived has no outcomes yet, and the replica's rates describe the
+    traffic before it, which at a change of phase is another class's (a replica fresh from
+    copy traffic priced new sampled requests as copy and kept a deep K into the sampled
+    phase).
 
     Vectorised over requests (see `policies.outcomes`).
     """
@@ -339,17 +393,37 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
     guess[0] = landing[0] if first is None else first
     at_risk, beyond = (counts.T for counts in survival_counts(drafted, landed, kmax))
     if prior_strength:
-        rates = (beyond + prior_strength * guess) / (at_risk + prior_strength)
+        reach = (beyond + prior_strength * guess) / (at_risk + prior_strength)
     else:  # without a prior, a position no step reached has no evidence: the guess stands
-        rates = np.where(at_risk > 0, beyond / np.maximum(at_risk, 1), guess)
-    np.cumprod(rates, axis=0, out=rates)  # r_k per position (rows) and request (columns)
-    lengths = np.ones((kmax + 1, rows))  # L_r(K) for K = 0..kmax
-    np.cumsum(rates, axis=0, out=lengths[1:])
+        reach = np.where(at_risk > 0, beyond / np.maximum(at_risk, 1), guess)
+    np.cumprod(reach, axis=0, out=reach)  # r_k per position (rows) and request (columns)
+    lengths = np.ones((kmax + 1, rows))  # L_r(d) for d = 0..kmax
+    np.cumsum(reach, axis=0, out=lengths[1:])
     lengths[1:] += 1
     tokens = landed.sum(axis=1) + requests.lengths  # a step: its landed drafts and one more
+    last_drafted, last_landed = drafted[:, -1], landed[:, -1]
+    full_runs = np.where(last_landed == last_drafted, last_drafted, 0)
     if not tokens.any():  # only requests without outcomes yet (priced by class): alike
         tokens = np.ones(rows)
-    per_step = tokens.sum() / (tokens / lengths[[min(k, kmax) for k in ks]]).sum(axis=1)
+    return BatchAcceptance(reach, lengths, tokens, full_runs)
+
+
+def steady_lengths(requests: RequestWindows, landing: list[float], prior_strength: float,
+                   ks: tuple[int, ...], request_priors: Sequence[tuple[float, ...]] = ()
+                   ) -> dict[int, float] | None:
+    """Tokens per sequence-step at each depth in `ks` once the batch's mix has settled there,
+    every request drafting K (see `batch_acceptance`, `BatchAcceptance.steady`); None without
+    outcomes or class priors.
+
+    Speculation changes a batch's mix: requests whose drafts land finish in fewer steps at a
+    deeper K, and their slots go to requests whose drafts fail. The mean over the batch as it
+    is now overstates a deeper K for a mixed batch, and once there it still prefers the deep
+    K at that K's own, thinner mix.
+    """
+    batch = batch_acceptance(requests, landing, prior_strength, request_priors)
+    if batch is None:
+        return None
+    per_step, _ = batch.steady(ks)
     return dict(zip(ks, per_step.tolist(), strict=True))
 
 
@@ -467,18 +541,55 @@ class GoodputPolicy:
     def breakdown(self, signals: Signals, rates: list[float], share: float | None = None,
                   ks: tuple[int, ...] | None = None) -> dict[int, tuple[float, float]]:
         """Per candidate in `ks` (see `scores`): (tokens per sequence-step, step seconds)."""
+        return self._evaluate(signals, rates, share, ks)[0]
+
+    def _evaluate(self, signals: Signals, rates: list[float], share: float | None = None,
+                  ks: tuple[int, ...] | None = None
+                  ) -> tuple[dict[int, tuple[float, float]], dict[int, dict[str, int]]]:
+        """`breakdown`, and per K the per-request draft caps it assumed there (none: every
+        request drafts K).
+
+        Where the engine applies caps (see `GoodputConfig.draft_caps`), each K is scored
+        with the best of a few cap sets: each request drafts the positions that land with at
+        least a threshold (`CAP_THRESHOLDS`), or all K. Scored, not derived from a marginal
+        price: the step cost is not linear in the drafts (flat up to a knee on a GPU), and a
+        price taken from the average slope capped a copy-only batch at one draft. A cap set
+        must beat the uncapped score by the switch margin."""
         ks = self.candidates if ks is None else ks
         share = self.draft_share if share is None else share
         landing = [share * rate for rate in rates]
-        lengths = steady_lengths(signals.requests, landing, self.config.prior_strength, ks,
-                                 signals.request_priors)
-        if lengths is None:  # no per-request outcomes: the batch's mean as it is now
-            lengths = {k: 1 + sum(landing[:k]) for k in ks}
+        batch = self._batch(signals)
+        requests = batch_acceptance(signals.requests, landing, self.config.prior_strength,
+                                    signals.request_priors)
+        if requests is None:  # no per-request outcomes: the batch's mean as it is now
+            options = [(None, [1 + sum(landing[:k]) for k in ks], [float(k) for k in ks])]
+        else:
+            thresholds = CAP_THRESHOLDS if self.config.draft_caps and \
+                signals.draft_caps_apply else ()
+            options = []
+            for caps in (None, *(requests.caps(t, self.config.min_draft_cap)
+                                 for t in thresholds)):
+                per_step, per_sequence = requests.steady(ks, caps)
+                options.append((caps, per_step.tolist(), per_sequence.tolist()))
         # A tier costs what the drafts it would verify cost (see `draft_fill`).
-        depths = {k: self.draft_fill * k for k in ks}
-        seconds = self.costs.predict_row(self._batch(signals), tuple(depths.values()))
-        return {k: (lengths[k], seconds[depth]) for k, depth in depths.items()
-                if depth in seconds}
+        depths = {self.draft_fill * d for _, _, drafts in options for d in drafts}
+        seconds = self.costs.predict_row(batch, tuple(depths))
+        parts: dict[int, tuple[float, float]] = {}
+        chosen: dict[int, dict[str, int]] = {}
+        for caps, lengths, drafts in options:
+            # Caps must earn the switch margin over drafting K for all: a batch of one class
+            # differs request to request only by the noise of 30-step windows.
+            needed = 1.0 if caps is None else 1 + self.config.switch_margin
+            for k, length, depth in zip(ks, lengths, drafts, strict=True):
+                cost = seconds.get(self.draft_fill * depth)
+                if cost is None or (k in parts and
+                                    length / cost <= needed * parts[k][0] / parts[k][1]):
+                    continue
+                parts[k] = (length, cost)
+                chosen[k] = {} if caps is None else {
+                    request_id: cap for request_id, cap in
+                    zip(signals.requests.request_ids, caps.tolist(), strict=True) if cap < k}
+        return parts, chosen
 
     @property
     def draft_share(self) -> float:
@@ -515,7 +626,7 @@ class GoodputPolicy:
         prior = signals.class_prior or (signals.cluster.acceptance_prior if signals.cluster
                                         else ())
         rates = self.acceptance.rates(prior)
-        parts = self.breakdown(signals, rates)
+        parts, caps_by_k = self._evaluate(signals, rates)
         if current not in parts:
             return Decision(current, "no cost data yet")
         scores = _scores(parts, self._batch(signals))
@@ -528,33 +639,38 @@ class GoodputPolicy:
                   "step_ms_best": 1000 * parts[best][1],
                   "first_draft": rates[0], "draft_share": self.draft_share,
                   "draft_fill": self.draft_fill}
+        if caps_by_k.get(current):  # requests whose drafts are capped below K
+            inputs["capped_requests"] = float(len(caps_by_k[current]))
         if signals.class_prior:
             inputs["class_hint"] = signals.class_prior[0]
         if self._steps_on_tier < self.config.min_dwell_steps:
-            return Decision(current, "dwell", inputs)
+            return Decision(current, "dwell", inputs, caps_by_k.get(current))
         deeper = [k for k in self.candidates if k > current]
         expected = self._tier_the_classes_expect(signals, scores, deeper) \
             if current == 0 and deeper else None
         if expected is not None:
             self._steps_on_tier = 0
             return Decision(expected, "probe: these request classes landed drafts before",
-                            inputs)
+                            inputs, caps_by_k.get(expected))
         interval = self.config.probe_interval_steps
         if deeper and self._steps_on_tier >= interval and \
                 self._steps - self._last_drafted[deeper[0] - 1] >= interval and \
                 not self._fleet_measured(signals, deeper[0]):
             self._steps_on_tier = 0
+            # Uncapped: the probe is there to measure the new positions.
             return Decision(deeper[0], "probe: measure the next tier's positions", inputs)
         if best != current and scores[best] > scores[current] * (1 + self.config.switch_margin):
             self._steps_on_tier = 0
             return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",
-                            inputs)
+                            inputs, caps_by_k.get(best))
         floor = self._floor(signals)
         if floor < current and scores[floor] * (1 + DRAFT_TIE) >= scores[current] and \
                 not self._idle_drafter(signals, current, floor):
             self._steps_on_tier = 0  # drafting must earn its margin; this tier buys nothing
-            return Decision(floor, f"drafts at K={current} buy nothing over K={floor}", inputs)
-        return Decision(current, "current tier is within the margin of the best", inputs)
+            return Decision(floor, f"drafts at K={current} buy nothing over K={floor}",
+                            inputs, caps_by_k.get(floor))
+        return Decision(current, "current tier is within the margin of the best", inputs,
+                        caps_by_k.get(current))
 
     def _idle_drafter(self, signals: Signals, tier: int, floor: int) -> bool:
         """Whether `tier` verifies less than one draft per sequence a step (the drafter

@@ -160,6 +160,8 @@ class Signals:
     request_priors: tuple[tuple[float, ...], ...] = ()
     """Per row of `requests`, the p[k] its own request class showed before (() where the
     class is unknown or unmeasured; empty when no class is known at all)."""
+    draft_caps_apply: bool = False
+    """Whether the engine applies per-request draft caps (`Decision.draft_caps`)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -192,3 +194,7 @@ class Decision:
     k: int
     reason: str = ""
     inputs: dict[str, float] = field(default_factory=dict)
+    draft_caps: dict[str, int] | None = None
+    """Per running request (by id), at most this many drafts a step, whatever K is: a request
+    whose drafts fail stops costing the batch verify work while the others draft deep.
+    None: no caps (every request drafts K); requests left out are not capped."""

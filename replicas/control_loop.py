@@ -23,7 +23,8 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
                cluster: ClusterView | None = None,
                requests: RequestWindows | None = None, now_s: float = 0.0,
                max_batch: int | None = None,
-               class_prior: ClassPrior | None = None) -> Signals:
+               class_prior: ClassPrior | None = None,
+               draft_caps_apply: bool = False) -> Signals:
     """Sum a window of step records into Signals; per-position counts padded to max K."""
     width = max(candidates)
     accepted, drafted = [0] * width, [0] * width
@@ -51,7 +52,8 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         class_prior=class_prior.rates, class_prior_fresh=class_prior.fresh,
         request_priors=tuple(class_prior.request_rates(request_id)
                              for request_id in requests.request_ids)
-        if requests is not None and class_prior.by_class else ())
+        if requests is not None and class_prior.by_class else (),
+        draft_caps_apply=draft_caps_apply)
 
 
 @dataclass
@@ -78,6 +80,9 @@ class ControlLoop:
             getattr(engine, "request_acceptance", None)
         self.max_batch = max_batch
         self._class_prior = class_prior
+        # Per-request draft caps, on engines that apply them (see `Decision.draft_caps`).
+        self._applies_caps: bool = getattr(engine, "applies_draft_caps", False)
+        self._caps_sent: dict[str, int] = {}
         self._pending: list[StepRecord] = []
         self.stats = LoopStats()
 
@@ -96,7 +101,8 @@ class ControlLoop:
             self.policy.reads_requests else None
         class_prior = self._class_prior() if self._class_prior else None
         signals = fold_steps(self._pending, self.pool.candidates, self.pool.active_k,
-                             cluster, requests, time.monotonic(), self.max_batch, class_prior)
+                             cluster, requests, time.monotonic(), self.max_batch, class_prior,
+                             self._applies_caps)
         self._pending = []
         started = time.perf_counter()
         decision = self.policy.decide(signals)
@@ -108,4 +114,8 @@ class ControlLoop:
         self.stats.max_local_batch = max(self.stats.max_local_batch, signals.local_batch)
         change = await self.pool.switch(decision.k) if decision.k in self.pool.candidates \
             else None
+        caps = decision.draft_caps or {}  # a policy without caps lifts the previous ones
+        if self._applies_caps and caps != self._caps_sent:
+            await self.engine.set_draft_caps(caps)
+            self._caps_sent = caps
         return steps, decision, change

@@ -29,7 +29,7 @@ from policies.class_acceptance import (
     rates_from_counts,
 )
 from policies.registry import build_policy
-from policies.signals import RequestAcceptance, RequestWindows
+from policies.signals import Decision, RequestAcceptance, RequestWindows, Signals
 from replicas.control_loop import ControlLoop, fold_steps
 from replicas.engines.base import GenerationRequest, StepRecord
 from replicas.engines.sim_engine import SimulatedEngine
@@ -301,3 +301,57 @@ def test_class_rates_decay_per_position_and_keep_the_positions_a_shallow_k_left_
     prior = classes.prior(Counter(greedy=1, sampled=1), {"g": "greedy", "s": "sampled"})
     assert prior.request_rates("g") == (0.9, 0.9), "a request is priced by its own class"
     assert prior.request_rates("s") == () and prior.request_rates("x") == ()
+
+
+def test_simulator_caps_a_requests_drafts_and_its_step_cost_follows():
+    """Two requests at K=15, one capped at 1: a step verifies 16 drafts, not 30, costs what
+    16 drafts cost, counts the 14 closed slots, and the capped request's window says 1."""
+    async def run() -> tuple[SimulatedEngine, list]:
+        engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, max_num_seqs=4)
+        for name, request_class in (("copy", "high"), ("free", "low")):
+            engine.submit(GenerationRequest(name, prompt="a b c", max_tokens=200,
+                                            request_class=request_class))
+        engine.admit()
+        await engine.set_draft_caps({"free": 1, "gone": 3})  # unknown ids are ignored
+        return engine, [engine.step() for _ in range(3)]
+
+    engine, seconds = asyncio.run(run())
+    steps = engine.drain_steps()
+    assert all((s.draft_tokens, s.capped_slots, s.draft_slots) == (16, 14, 16) for s in steps)
+    assert seconds[0] == pytest.approx(engine.preset.step_seconds(2, 15, 16))
+    assert seconds[0] < engine.preset.step_seconds(2, 15)
+    windows = engine.request_acceptance()
+    drafted = dict(zip(windows.request_ids, windows.drafted[:, -1].tolist(), strict=True))
+    assert drafted == {"copy": 15, "free": 1}
+    asyncio.run(engine.set_draft_caps({}))  # new caps replace the old: none left
+    engine.step()
+    assert engine.drain_steps()[0].draft_tokens == 30
+
+
+def test_control_loop_sends_a_policys_caps_and_lifts_them_for_a_policy_without():
+    class Capping:
+        name, reads_requests = "capping", False
+
+        def decide(self, signals: Signals) -> Decision:
+            assert signals.draft_caps_apply
+            return Decision(15, "cap", draft_caps={"r0": 1})
+
+    engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, max_num_seqs=4)
+    for i in range(2):
+        engine.submit(GenerationRequest(f"r{i}", prompt="a b c", max_tokens=200))
+    pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=15)
+    asyncio.run(pool.apply_initial())
+    loop = ControlLoop(engine, pool, Capping())
+    engine.admit()
+
+    def window() -> list[int]:
+        for _ in range(loop.decide_every_steps):
+            engine.step()
+        steps, _, _ = asyncio.run(loop.tick())
+        return [s.draft_tokens for s in steps]
+
+    window()
+    assert window() == [16] * loop.decide_every_steps
+    loop.replace_policy(build_policy({"name": "static", "k": 15}, pool.candidates))
+    window()
+    assert window() == [30] * loop.decide_every_steps

@@ -16,10 +16,18 @@ from policies.goodput import (
     GoodputConfig,
     GoodputPolicy,
     StepCostModel,
+    batch_acceptance,
     steady_lengths,
 )
 from policies.registry import POLICY_NAMES, build_policy
-from policies.signals import ClusterView, RequestAcceptance, RequestWindows, Signals, StepCost
+from policies.signals import (
+    ClusterView,
+    Decision,
+    RequestAcceptance,
+    RequestWindows,
+    Signals,
+    StepCost,
+)
 from policies.stability import StabilityConfig, StabilityPolicy, request_lengths
 
 CANDIDATES = (0, 1, 3, 7, 15)
@@ -304,6 +312,44 @@ def test_goodput_does_not_go_deep_on_a_mixed_batch_whose_copy_requests_would_lea
     assert decide(mixed) < 15
     assert decide(mixed, (copy_class,) * 8 + (sampled_class,) * 24) in (1, 3)
     assert decide(mixed_batch(copy=32, sampled=0)) == 15  # a uniform batch still goes deep
+
+
+def test_goodput_caps_the_failing_requests_drafts_and_goes_deep_for_the_copies():
+    """The same mixed batch on an engine that caps drafts per request: the sampled requests
+    verify one draft a step (their evidence), the copy requests draft K, and K goes deep,
+    where one K for all had to stay shallow. A copy-only batch is left uncapped, and an
+    engine without caps gets none."""
+    copy_class = tuple(0.97 ** (k + 1) for k in range(15))
+    sampled_class = tuple(0.03 * 0.2 ** k for k in range(15))
+
+    def decide(requests: RequestWindows, priors: tuple[tuple[float, ...], ...],
+               caps_apply: bool = True) -> Decision:
+        policy = goodput(profile=MEASURED)
+        signals = window(3, 1.0, batch=32, proposing=0.25)
+        return policy.decide(Signals(**{**signals.__dict__, "requests": requests,
+                                        "request_priors": priors,
+                                        "draft_caps_apply": caps_apply}))
+
+    mixed = mixed_batch(copy=8, sampled=24)
+    priors = (copy_class,) * 8 + (sampled_class,) * 24
+    capped = decide(mixed, priors)
+    assert capped.k == 15
+    assert capped.draft_caps == {f"s{i}": 1 for i in range(24)}
+    assert capped.inputs["capped_requests"] == 24
+    uncapped = decide(mixed, priors, caps_apply=False)
+    assert uncapped.k in (1, 3) and not uncapped.draft_caps
+    copies = decide(mixed_batch(copy=32, sampled=0), (copy_class,) * 32)
+    assert copies.k == 15 and copies.draft_caps == {}
+
+
+def test_a_capped_request_that_lands_every_draft_gets_twice_as_many():
+    """A request capped at one draft by a stale guess shows what lies past its cap only by
+    drafting past it: each step that lands all its drafts doubles its cap."""
+    landing = [0.3 * 0.1 ** k for k in range(15)]  # the replica's traffic before: short runs
+    copying = RequestWindows.of([RequestAcceptance("c", (1,) * 6, (1,) * 6),
+                                 RequestAcceptance("s", (0,) * 6, (1,) * 6)])
+    batch = batch_acceptance(copying, landing, 4.0)
+    assert batch.caps(0.5, 1).tolist() == [2, 1]
 
 
 def test_steady_lengths_price_a_request_without_outcomes_by_its_class():

@@ -257,6 +257,42 @@ async def test_concurrent_requests_get_their_own_outcomes(ngram_engine):
     assert together == alone
 
 
+async def test_draft_caps_cut_one_requests_drafts_and_keep_its_greedy_output(
+        ngram_engine, plain_engine):
+    """Two copy requests decoded together at K=7, one capped at 1 draft a step once it runs:
+    the capped one verifies 1 draft a step (its window says so, as the policies read it), the
+    other 7, and both decode exactly as without speculation."""
+    expected = await generate_ids(plain_engine, greedy(COPY_PROMPT, max_tokens=64))
+    await ngram_engine.set_k(7)
+    capped, uncapped = greedy(COPY_PROMPT, max_tokens=64), greedy(COPY_PROMPT, max_tokens=64)
+    windows: dict[str, list[tuple[int, int]]] = {}
+
+    async def run(request: GenerationRequest, cap: int | None) -> list[int]:
+        ids: list[int] = []
+        async for chunk in ngram_engine.generate(request):
+            if not ids and cap is not None:
+                await ngram_engine.set_draft_caps({request.request_id: cap})
+            ids.extend(chunk.token_ids)
+            current = ngram_engine.request_acceptance()
+            if request.request_id in current.request_ids:
+                row = current.request_ids.index(request.request_id)
+                length = int(current.lengths[row])
+                windows[request.request_id] = list(zip(
+                    current.accepted[row, -length:].tolist(),
+                    current.drafted[row, -length:].tolist(), strict=True))
+        return ids
+
+    ngram_engine.drain_steps()
+    outputs = await asyncio.gather(run(capped, 1), run(uncapped, None))
+    await ngram_engine.set_draft_caps({})
+    assert outputs == [expected, expected]
+    late = windows[capped.request_id][-4:]  # after the cap reached the scheduler
+    assert late and all(drafted == 1 and accepted <= 1 for accepted, drafted in late)
+    assert {drafted for _, drafted in windows[uncapped.request_id][-4:]} == {7}
+    steps = [s for s in ngram_engine.drain_steps() if s.running == 2 and s.drafts == 2]
+    assert any(s.draft_tokens == 8 and s.capped_slots == 6 for s in steps)
+
+
 async def test_prompt_too_long_is_an_input_error(ngram_engine):
     too_long = "x " * (ngram_engine.max_model_len * 2)
     with pytest.raises(EngineInputError):

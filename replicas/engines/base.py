@@ -71,10 +71,14 @@ class StepRecord:
         at once: 84 ms against 12-25 ms for the decode steps after it, vLLM-CPU, batch 8)."""
         return self.wall_s > 0 and self.running > 0 and self.prefill_tokens == 0
 
+    capped_slots: int = 0
+    """Draft slots the step's per-request caps closed (see `Engine.set_draft_caps`)."""
+
     @property
     def draft_slots(self) -> int:
-        """Draft tokens the step could have verified: K per running sequence."""
-        return self.running * self.k
+        """Draft tokens the step could have verified: K per running sequence, less what the
+        caps closed."""
+        return self.running * self.k - self.capped_slots
 
     @property
     def draft_depth(self) -> int:
@@ -137,6 +141,9 @@ class Engine(Protocol):
     the per-step records since the last call (for the control loop), `counters()` the totals.
     An engine that can attribute acceptance to requests also has `request_acceptance()`: each
     running request's last `REQUEST_WINDOW` verify outcomes (`policies.signals.RequestWindows`).
+    One that can cap a request's drafts below K has `applies_draft_caps = True` and
+    `async set_draft_caps(caps)`: request id -> most drafts a step, for the running requests
+    named; it replaces the previous caps, and the others draft K.
     """
 
     name: str

@@ -4,7 +4,8 @@ Not a model. It exists for policy studies, cluster-scale runs and fast applicati
 it says so: its name is "sim" and its output text is made-up tokens (" t123"). Each step runs
 every admitted request at the active K:
 
-- step time  t(B, K) from the preset's cost model (`SimPreset.step_seconds`)
+- step time  t(B, K) from the preset's cost model (`SimPreset.step_seconds`), counting the
+  drafts each request verified (K, or less under a per-request cap: `set_draft_caps`)
 - acceptance: each request belongs to a class (`sim_presets.Acceptance`): per step, a copy or
   a free-text regime, then drafts accepted position by position until the first miss.
 
@@ -63,6 +64,7 @@ class SimulatedEngine:
     """A simulator engine (see module docstring); `time_scale` stretches simulated time."""
 
     name = "sim"
+    applies_draft_caps = True
 
     def __init__(self, preset: SimPreset, kmax: int = 15, max_num_seqs: int = 64,
                  max_model_len: int = 1024, time_scale: float = 1.0,
@@ -84,6 +86,7 @@ class SimulatedEngine:
         self._left = np.zeros(max_num_seqs, np.int64)  # tokens still to generate
         self._slot_class = np.zeros(max_num_seqs, np.int64)  # index into the table
         self._slot_request = np.full(max_num_seqs, "", object)  # request id
+        self._cap = np.full(max_num_seqs, kmax, np.int64)  # most drafts a step (set_draft_caps)
         self._streams: dict[int, _SimRequest] = {}  # by slot
         # Each slot's last REQUEST_WINDOW verify outcomes, a ring: step n (counted in
         # `_totals.steps`) writes column n % REQUEST_WINDOW. `_window_len`: steps run by the
@@ -120,6 +123,13 @@ class SimulatedEngine:
         if not 0 <= k <= self.kmax:
             raise ValueError(f"K={k} outside [0, {self.kmax}]")
         self.k = k
+
+    async def set_draft_caps(self, caps: dict[str, int]) -> None:
+        self._cap[:] = self.kmax
+        for request_id, cap in caps.items():
+            entry = self._running.get(request_id)
+            if entry is not None:
+                self._cap[entry.slot] = max(0, cap)
 
     async def abort(self, request_id: str) -> None:
         entry = self._running.get(request_id) or next(
@@ -184,6 +194,7 @@ class SimulatedEngine:
         self._active[slot] = False
         self._left[slot] = 0
         self._window_len[slot] = 0
+        self._cap[slot] = self.kmax
         self._streams.pop(slot, None)
         self._free_slots.append(slot)
 
@@ -236,14 +247,18 @@ class SimulatedEngine:
         """One engine step over the running requests; returns its simulated seconds. The
         requests it finished are in `just_finished` until the next step."""
         k, size, active = self.k, len(self._running), self._active
-        seconds = self.preset.step_seconds(size, k)
-        runs = self._table.draw(self._rng, k, self._slot_class)
+        depth = np.minimum(k, self._cap)  # each request's drafts: K, or its cap
+        ran_depth = depth[active]
+        draft_tokens = int(ran_depth.sum())
+        seconds = self.preset.step_seconds(size, k, draft_tokens)
+        # A run drawn at K and cut at the cap: acceptance is a prefix.
+        runs = np.minimum(self._table.draw(self._rng, k, self._slot_class), depth)
         tokens = np.minimum(runs + 1, self._left)  # free slots have nothing left: 0
         self._left -= tokens
         finished = active & (self._left == 0)
         ran = runs[active]
         column = self._totals.steps % REQUEST_WINDOW  # this step's, counted at its end
-        self._window[0, :, column], self._window[1, :, column] = runs, k
+        self._window[0, :, column], self._window[1, :, column] = runs, depth
         self._window_len += active
         accepted_pos = [0] * self.kmax
         if k:
@@ -259,10 +274,12 @@ class SimulatedEngine:
             entry.done = True
             self._release(entry)
             self.just_finished.append(entry)
-        drafted_pos = [size] * k + [0] * (self.kmax - k)
-        drafts = size if k else 0
+        drafted_pos = [0] * self.kmax
+        if k:
+            drafted_pos[:k] = reaching(np.bincount(ran_depth, minlength=k + 1)).tolist()
         record = StepRecord(running=size, waiting=len(self._waiting), k=k, wall_s=seconds,
-                            drafts=drafts, draft_tokens=drafts * k,
+                            drafts=drafted_pos[0] if k else 0, draft_tokens=draft_tokens,
+                            capped_slots=size * k - draft_tokens,
                             accepted_tokens=int(ran.sum()), accepted_per_pos=tuple(accepted_pos),
                             drafted_per_pos=tuple(drafted_pos), generated_tokens=int(tokens.sum()))
         self._records.append(record)

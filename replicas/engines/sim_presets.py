@@ -72,7 +72,8 @@ def _inverse_log(rate: float) -> float:
 
 @dataclass(frozen=True)
 class SimPreset:
-    """Step time = base + per_seq*B + per_draft*K + per_token*max(0, B*K - knee) (seconds).
+    """Step time = base + per_seq*B + per_draft*K + per_token*max(0, drafts - knee) (seconds),
+    where drafts = B*K unless per-request caps verified fewer.
 
     `knee` is the number of extra verify tokens the hardware absorbs for free (memory-bound
     regime); beyond it verify cost grows with batch x K (compute-bound regime).
@@ -87,10 +88,12 @@ class SimPreset:
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     """Per request class."""
 
-    def step_seconds(self, batch: int, k: int) -> float:
+    def step_seconds(self, batch: int, k: float, drafts: int | None = None) -> float:
+        """`drafts`: draft tokens verified, when per-request caps left fewer than B x K (the
+        drafter still ran K deep)."""
         if batch == 0:
             return self.base_s
-        extra = max(0, batch * k - self.knee_tokens)
+        extra = max(0, (batch * k if drafts is None else drafts) - self.knee_tokens)
         return self.base_s + self.per_seq_s * batch + self.per_draft_s * k + \
             self.per_token_s * extra
 

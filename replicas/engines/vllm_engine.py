@@ -151,6 +151,8 @@ class _StepLog:
         self.windows: dict[str, deque[tuple[int, int]]] = {}
         # vLLM's output processor's request states (internal id -> state); set at start.
         self.request_states: dict[str, Any] = {}
+        # Per-request draft caps in force (request id -> most drafts a step).
+        self.draft_caps: dict[str, int] = {}
 
     def collect_outcomes(self) -> None:
         """Move the step's per-request verify outcomes (attached by `vllm_hooks`) into the
@@ -183,8 +185,11 @@ class _StepLog:
             accepted = spec_stats.num_accepted_tokens
             accepted_pos = _padded(spec_stats.num_accepted_tokens_per_pos, self.kmax)
             drafted_pos = _padded(spec_stats.num_draft_tokens_per_pos, self.kmax)
+        capped = sum(max(0, self.k - cap) for request_id, cap in self.draft_caps.items()
+                     if request_id in self.windows)
         step = StepRecord(running=running, waiting=waiting, k=self.k, wall_s=wall,
                           drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
+                          capped_slots=min(capped, running * self.k),
                           accepted_per_pos=accepted_pos, drafted_per_pos=drafted_pos,
                           generated_tokens=generated, prefill_tokens=prefilled)
         self.records.append(step)
@@ -289,6 +294,24 @@ class VllmEngine:
             return
         await self.llm.engine_core.call_utility_async(SET_K_UTILITY, k)
         self._steps.k = k
+
+    @property
+    def applies_draft_caps(self) -> bool:
+        """Whether `set_draft_caps` takes effect: with synchronous scheduling (vLLM's on
+        CPU), where drafts pass through the scheduler between steps (see `vllm_hooks`)."""
+        return self.kmax > 0 and not _cuda_available()
+
+    async def set_draft_caps(self, caps: dict[str, int]) -> None:
+        from replicas.engines.vllm_hooks import SET_CAPS_UTILITY
+
+        if not self.applies_draft_caps:
+            raise RuntimeError("per-request draft caps need vLLM's synchronous scheduler")
+        # The engine core knows requests by vLLM's internal ids.
+        internal = {internal_id: caps[state.external_req_id]
+                    for internal_id, state in self._steps.request_states.items()
+                    if state.external_req_id in caps}
+        await self.llm.engine_core.call_utility_async(SET_CAPS_UTILITY, internal)
+        self._steps.draft_caps = dict(caps)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         from vllm.exceptions import VLLMClientError

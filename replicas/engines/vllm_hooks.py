@@ -8,7 +8,9 @@ can rewrite that lookup; `EngineCore.specserve_set_k` exposes it as a utility me
 frontend reaches with `engine_core.call_utility_async(SET_K_UTILITY, k)`. Utility calls are
 handled between scheduler steps, so a switch never races a step.
 
-The same scheduler also reports each request's verify outcome per step (draft depth and
+The scheduler also cuts a request's drafts to a per-request cap (`specserve_set_draft_caps`)
+when drafts come back between steps, so one K can serve a batch whose requests want different
+depths. It also reports each request's verify outcome per step (draft depth and
 accepted drafts). vLLM counts them per request in `update_from_output` but ships only batch
 totals each step (per-request metrics arrive when a request finishes). We attach a one-step
 `RequestSpecDecodeMetrics` to the request's `EngineCoreOutput` for that step; the frontend
@@ -36,6 +38,7 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.metrics.stats import RequestSpecDecodeMetrics
 
 SET_K_UTILITY = "specserve_set_k"
+SET_CAPS_UTILITY = "specserve_set_draft_caps"
 SYNC_SCHEDULER = f"{__name__}.AdaptiveKScheduler"
 ASYNC_SCHEDULER = f"{__name__}.AdaptiveKAsyncScheduler"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -74,6 +77,10 @@ class _AdaptiveK:
         self._step_outcomes: dict[str, tuple[int, int]] = {}
         # K the drafter ran with after the previous step: the depth of this step's drafts.
         self._proposing_k = 0
+        # Request id -> most drafts a step (`specserve_set_draft_caps`); and the caps that
+        # cut the drafts this step verifies, as they were when the drafts came in.
+        self._draft_caps: dict[str, int] = {}
+        self._verified_caps: dict[str, int] = {}
 
     def make_spec_decoding_stats(self, spec_decoding_stats: Any, num_draft_tokens: int,
                                  num_accepted_tokens: int,
@@ -98,8 +105,9 @@ class _AdaptiveK:
                 # enabled); its last step is not needed for a running window.
                 if output.finish_reason is None and self._was_decoding(output):
                     accepted, drafted = self._step_outcomes.get(output.request_id, (0, 0))
+                    depth = min(k, self._verified_caps.get(output.request_id, k))
                     output.spec_decode_metrics = step_outcome(self.num_spec_tokens, accepted,
-                                                              max(k, drafted))
+                                                              max(depth, drafted))
         self._proposing_k = scheduler_output.num_spec_tokens_to_schedule
         return outputs
 
@@ -116,6 +124,28 @@ class _AdaptiveK:
         new_tokens = len(output.new_token_ids)
         return request is not None and new_tokens > 0 and \
             request.num_output_tokens > new_tokens
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        """Cut each capped request's new drafts to its cap (synchronous scheduling: the
+        drafts come back to the scheduler between steps; with async scheduling they stay in
+        the worker and caps do not apply). A request with fewer drafts verifies fewer tokens
+        in the next step, as when the drafter proposes fewer."""
+        super().update_draft_token_ids(draft_token_ids)  # type: ignore[misc]
+        self._verified_caps = {}
+        for request_id, cap in self._draft_caps.items():
+            request = self.requests.get(request_id)  # type: ignore[attr-defined]
+            if request is None:
+                continue
+            self._verified_caps[request_id] = cap
+            if len(request.spec_token_ids) > cap:
+                request.spec_token_ids = request.spec_token_ids[:cap]
+
+    def specserve_set_draft_caps(self, caps: dict[str, int]) -> int:
+        """Replace the per-request draft caps (engine request id -> most drafts a step)."""
+        if any(cap < 0 for cap in caps.values()):
+            raise ValueError(f"negative draft caps in {caps}")
+        self._draft_caps = dict(caps)
+        return len(caps)
 
     def specserve_set_k(self, k: int) -> int:
         if self.dynamic_sd_lookup is None:
@@ -139,6 +169,11 @@ def _engine_core_set_k(self: EngineCore, k: int) -> int:
     return self.scheduler.specserve_set_k(k)
 
 
+def _engine_core_set_draft_caps(self: EngineCore, caps: dict[str, int]) -> int:
+    return self.scheduler.specserve_set_draft_caps(caps)
+
+
 # Importing this module (which vLLM does when it resolves `scheduler_cls`) registers the
 # utility method on the engine core.
 setattr(EngineCore, SET_K_UTILITY, _engine_core_set_k)
+setattr(EngineCore, SET_CAPS_UTILITY, _engine_core_set_draft_caps)
