@@ -12,11 +12,14 @@ Differences, said plainly:
 - DSDE's signal is the KL divergence between target and draft distributions; neither vLLM nor
   our simulator exposes draft probabilities, so the signal here is the per-step *rejection
   share* of a request (1 - accepted / drafted): low when drafts land, high when they miss.
-- vLLM cannot give each request its own K, so only the batch cap is applied: it becomes the
-  replica's K, snapped to the nearest candidate not above it.
-- A run at the current depth that accepted every draft is cut off by the depth, not by the
-  request: the request might have accepted more. Such a request's SLmax is the next tier up,
-  so the policy can climb (with the longest run alone as SLmax, K could only ever fall).
+- The batch cap becomes the replica's K, snapped to the nearest candidate not above it. Where
+  the engine caps drafts per request (vLLM's synchronous scheduler, the simulator), each
+  request whose own length is below that K is capped at it, as in DSDE; elsewhere (vLLM's
+  async scheduler, SGLang) one K serves every request.
+- A run at the request's depth (K, or its cap) that accepted every draft is cut off by the
+  depth, not by the request: it might have accepted more. Such a request's SLmax is the next
+  tier up (twice its cap, at most that tier, for a capped one), so the policy can climb
+  (with the longest run alone as SLmax, K could only ever fall).
 - DSDE never turns speculation off; ours does when the batch's mean acceptance rate over the
   window falls below `off_below` (drafts that rarely land are pure cost). At K=0 nothing is
   measured, so after `probe_interval_steps` there the policy runs the smallest positive tier
@@ -49,11 +52,12 @@ class StabilityConfig(BaseModel):
     """Engine steps at K=0 before measuring the smallest positive tier again."""
 
 
-def request_lengths(windows: RequestWindows, config: StabilityConfig, current: int,
-                    next_tier: int) -> np.ndarray:
+def request_lengths(windows: RequestWindows, config: StabilityConfig,
+                    current: int | np.ndarray, next_tier: int | np.ndarray) -> np.ndarray:
     """DSDE's speculation length per request, 0 for a request with fewer than three drafting
     steps; `next_tier` is SLmax for a request whose window holds a run at the `current` depth
-    that accepted every draft (cut off by the depth). Vectorised over requests: a row holds
+    that accepted every draft (cut off by the depth); each is one depth for every request or
+    one per request. Vectorised over requests: a row holds
     a request's steps that drafted, the last `config.window` of them, right-aligned, so one
     set of geometric weights (newest 1) serves every row."""
     columns = windows.drafted.shape[1]
@@ -78,7 +82,8 @@ def request_lengths(windows: RequestWindows, config: StabilityConfig, current: i
     scale = np.exp(2 * signal.sum(axis=1, where=recent) / np.maximum(recent_steps, 1)
                    / config.temperature) - 1
     sl_max = np.maximum(1, np.max(accepted, axis=1, where=kept, initial=0))
-    cut_off = (kept & (accepted >= drafted) & (drafted == current)).any(axis=1)
+    depth = np.broadcast_to(current, (len(windows),))[:, None]
+    cut_off = (kept & (accepted >= drafted) & (drafted == depth)).any(axis=1)
     sl_max = np.where(cut_off, np.maximum(sl_max, next_tier), sl_max)
     sl_min = np.ceil(0.1 * sl_max)
     unstable = wvir * scale
@@ -112,8 +117,14 @@ class StabilityPolicy:
         self.config = config
         self.candidates = candidates
         self._steps_off = 0  # engine steps at K=0 since the last probe
+        self._caps: dict[str, int] = {}  # the per-request caps the last decision asked for
 
     def decide(self, signals: Signals) -> Decision:
+        decision = self._decide(signals)
+        self._caps = decision.draft_caps or {}
+        return decision
+
+    def _decide(self, signals: Signals) -> Decision:
         current = signals.current_k
         next_tier = neighbour(current, self.candidates, 1)  # current itself at the top
         if current == 0:
@@ -123,15 +134,27 @@ class StabilityPolicy:
                 return Decision(next_tier, "probe: do drafts land again?")
         else:
             self._steps_off = 0
-        lengths = request_lengths(signals.requests, self.config, current, next_tier)
-        lengths = lengths[lengths > 0]
+        requests = signals.requests
+        depths = np.array([min(current, self._caps.get(request_id, current))
+                           for request_id in requests.request_ids], dtype=np.int64)
+        next_depths = np.where(depths < current, np.minimum(2 * depths, next_tier), next_tier)
+        lengths = request_lengths(requests, self.config, depths, next_depths)
         drafted = int(signals.requests.drafted.sum())
         accepted = int(signals.requests.accepted.sum())
         if drafted and accepted / drafted < self.config.off_below:
             return Decision(snap_down(0, self.candidates), "acceptance below the floor",
                             {"acceptance": accepted / drafted})
-        if not lengths.size:
+        measured = lengths > 0
+        if not measured.any():
             return Decision(current, "no request history yet")
-        cap = math.ceil(lengths.mean())
-        return Decision(snap_down(cap, self.candidates), f"batch cap {cap}",
-                        {"cap": float(cap), "requests": float(len(lengths))})
+        cap = math.ceil(lengths[measured].mean())
+        k = snap_down(cap, self.candidates)
+        inputs = {"cap": float(cap), "requests": float(measured.sum())}
+        if not signals.draft_caps_apply:
+            return Decision(k, f"batch cap {cap}", inputs)
+        caps = {request_id: int(length)
+                for request_id, length in zip(requests.request_ids, lengths.tolist(),
+                                              strict=True)
+                if 0 < length < k}
+        inputs["capped_requests"] = float(len(caps))
+        return Decision(k, f"batch cap {cap}", inputs, draft_caps=caps)

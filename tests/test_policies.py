@@ -663,6 +663,32 @@ def test_stability_climbs_when_runs_are_cut_off_by_the_depth():
     assert policy.decide(with_requests(window(3, 0.6, batch=1), short)).k == 1
 
 
+def test_stability_caps_each_request_at_its_own_length_where_the_engine_can():
+    """DSDE's per-sequence length: on an engine that caps drafts per request, a request whose
+    drafts land erratically is capped below the batch's K and the steady ones draft K; a
+    capped request that lands every draft of its cap climbs (twice its cap, a tier at most).
+    An engine without per-request caps gets the batch cap alone."""
+    steady = [RequestAcceptance(f"a{i}", accepted=(7,) * 30, drafted=(7,) * 30)
+              for i in range(3)]
+    erratic = RequestAcceptance("b", accepted=(7, 0) * 15, drafted=(7,) * 30)
+    base = window(7, 1.0, batch=4)
+    signals = Signals(**{**with_requests(base, *steady, erratic).__dict__,
+                         "draft_caps_apply": True})
+    policy = StabilityPolicy(StabilityConfig(), CANDIDATES)
+    decision = policy.decide(signals)
+    erratic_length = request_length(erratic, StabilityConfig(), current=7, next_tier=15)
+    assert decision.k == 7 and 0 < erratic_length < 7
+    assert decision.draft_caps == {"b": erratic_length}
+    assert StabilityPolicy(StabilityConfig(), CANDIDATES).decide(
+        with_requests(base, *steady, erratic)).draft_caps is None
+    # The capped request now lands every draft at its cap: it is cut off by the cap.
+    cap = erratic_length
+    landing = RequestAcceptance("b", accepted=(cap,) * 30, drafted=(cap,) * 30)
+    climbed = policy.decide(Signals(**{**with_requests(base, *steady, landing).__dict__,
+                                       "draft_caps_apply": True}))
+    assert 2 * cap < climbed.k and climbed.draft_caps == {"b": 2 * cap}
+
+
 def test_stability_turns_speculation_off_when_nothing_lands_and_looks_again_later():
     config = StabilityConfig(probe_interval_steps=64)
     policy = StabilityPolicy(config, CANDIDATES)
