@@ -50,6 +50,9 @@ class StabilityConfig(BaseModel):
     off_below: float = Field(0.05, ge=0, le=1)
     probe_interval_steps: int = Field(256, ge=1)
     """Engine steps at K=0 before measuring the smallest positive tier again."""
+    draft_caps: bool = True
+    """Cap each request below the batch's K at its own length, where the engine can
+    (`Signals.draft_caps_apply`); off: the batch cap alone, one K for every request."""
 
 
 def request_lengths(windows: RequestWindows, config: StabilityConfig,
@@ -150,7 +153,7 @@ class StabilityPolicy:
         cap = math.ceil(lengths[measured].mean())
         k = snap_down(cap, self.candidates)
         inputs = {"cap": float(cap), "requests": float(measured.sum())}
-        if not signals.draft_caps_apply:
+        if not (signals.draft_caps_apply and self.config.draft_caps):
             return Decision(k, f"batch cap {cap}", inputs)
         caps = {request_id: int(length)
                 for request_id, length in zip(requests.request_ids, lengths.tolist(),

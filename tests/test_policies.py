@@ -681,6 +681,8 @@ def test_stability_caps_each_request_at_its_own_length_where_the_engine_can():
     assert decision.draft_caps == {"b": erratic_length}
     assert StabilityPolicy(StabilityConfig(), CANDIDATES).decide(
         with_requests(base, *steady, erratic)).draft_caps is None
+    assert StabilityPolicy(StabilityConfig(draft_caps=False), CANDIDATES).decide(
+        signals).draft_caps is None
     # The capped request now lands every draft at its cap: it is cut off by the cap.
     cap = erratic_length
     landing = RequestAcceptance("b", accepted=(cap,) * 30, drafted=(cap,) * 30)
