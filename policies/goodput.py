@@ -115,7 +115,7 @@ class GoodputConfig(BaseModel):
     (`Signals.draft_caps_apply`): in a batch that mixes requests whose drafts land with
     requests whose drafts fail, one K for all either starves the first or makes every step
     verify the second's failing drafts."""
-    min_draft_cap: int = Field(1, ge=0)
+    min_draft_cap: int = Field(1, ge=1)
     """Drafts a capped request still verifies: its evidence that drafts land again (a cap of
     0 would measure nothing, and the cap would never lift)."""
     profile: list[tuple[int, int, float]] = Field(default_factory=list)
@@ -553,8 +553,9 @@ class GoodputPolicy:
         with the best of a few cap sets: each request drafts the positions that land with at
         least a threshold (`CAP_THRESHOLDS`), or all K. Scored, not derived from a marginal
         price: the step cost is not linear in the drafts (flat up to a knee on a GPU), and a
-        price taken from the average slope capped a copy-only batch at one draft. A cap set
-        must beat the uncapped score by the switch margin."""
+        price taken from the average slope capped a copy-only batch at one draft. Cap sets
+        are tried from the loosest threshold up, and each must beat the best score so far
+        (uncapped, or a looser set) by the switch margin: the least capping that pays."""
         ks = self.candidates if ks is None else ks
         share = self.draft_share if share is None else share
         landing = [share * rate for rate in rates]
@@ -577,8 +578,8 @@ class GoodputPolicy:
         parts: dict[int, tuple[float, float]] = {}
         chosen: dict[int, dict[str, int]] = {}
         for caps, lengths, drafts in options:
-            # Caps must earn the switch margin over drafting K for all: a batch of one class
-            # differs request to request only by the noise of 30-step windows.
+            # Caps must earn the switch margin over the looser choice before them: a batch of
+            # one class differs request to request only by the noise of 30-step windows.
             needed = 1.0 if caps is None else 1 + self.config.switch_margin
             for k, length, depth in zip(ks, lengths, drafts, strict=True):
                 cost = seconds.get(self.draft_fill * depth)
@@ -657,7 +658,8 @@ class GoodputPolicy:
                 self._steps - self._last_drafted[deeper[0] - 1] >= interval and \
                 not self._fleet_measured(signals, deeper[0]):
             self._steps_on_tier = 0
-            # Uncapped: the probe is there to measure the new positions.
+            # The probe's first window goes out uncapped, to measure the new positions (the
+            # dwell decisions after it send the tier's caps again).
             return Decision(deeper[0], "probe: measure the next tier's positions", inputs)
         if best != current and scores[best] > scores[current] * (1 + self.config.switch_margin):
             self._steps_on_tier = 0

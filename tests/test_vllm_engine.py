@@ -257,6 +257,14 @@ async def test_concurrent_requests_get_their_own_outcomes(ngram_engine):
     assert together == alone
 
 
+def test_draft_caps_apply_to_prompt_lookup_on_the_sync_scheduler_only(engines):
+    """A model drafter still drafts K deep for a capped request, so caps are not offered;
+    nor without speculation."""
+    assert engines["ngram"].applies_draft_caps
+    assert not engines["draft_model"].applies_draft_caps
+    assert not engines["none"].applies_draft_caps
+
+
 async def test_draft_caps_cut_one_requests_drafts_and_keep_its_greedy_output(
         ngram_engine, plain_engine):
     """Two copy requests decoded together at K=7, one capped at 1 draft a step once it runs:

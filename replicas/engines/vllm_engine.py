@@ -298,8 +298,11 @@ class VllmEngine:
     @property
     def applies_draft_caps(self) -> bool:
         """Whether `set_draft_caps` takes effect: with synchronous scheduling (vLLM's on
-        CPU), where drafts pass through the scheduler between steps (see `vllm_hooks`)."""
-        return self.kmax > 0 and not _cuda_available()
+        CPU), where drafts pass through the scheduler between steps (see `vllm_hooks`), and
+        prompt lookup, whose proposals cost next to nothing at any depth. A model drafter
+        still runs K deep for a capped request, and the policies price a step by the drafts
+        it verifies, so they would under-price a capped deep tier."""
+        return self.kmax > 0 and self.spec.drafter == "ngram" and not _cuda_available()
 
     async def set_draft_caps(self, caps: dict[str, int]) -> None:
         from replicas.engines.vllm_hooks import SET_CAPS_UTILITY
