@@ -576,7 +576,7 @@ class GoodputPolicy:
         depths = {self.draft_fill * d for _, _, drafts in options for d in drafts}
         seconds = self.costs.predict_row(batch, tuple(depths))
         parts: dict[int, tuple[float, float]] = {}
-        chosen: dict[int, dict[str, int]] = {}
+        chosen: dict[int, np.ndarray | None] = {}
         for caps, lengths, drafts in options:
             # Caps must earn the switch margin over the looser choice before them: a batch of
             # one class differs request to request only by the noise of 30-step windows.
@@ -587,10 +587,11 @@ class GoodputPolicy:
                                     length / cost <= needed * parts[k][0] / parts[k][1]):
                     continue
                 parts[k] = (length, cost)
-                chosen[k] = {} if caps is None else {
-                    request_id: cap for request_id, cap in
-                    zip(signals.requests.request_ids, caps.tolist(), strict=True) if cap < k}
-        return parts, chosen
+                chosen[k] = caps
+        ids = signals.requests.request_ids
+        return parts, {k: {} if caps is None else {
+            request_id: cap for request_id, cap in zip(ids, caps.tolist(), strict=True)
+            if cap < k} for k, caps in chosen.items()}
 
     @property
     def draft_share(self) -> float:

@@ -142,8 +142,8 @@ class StabilityPolicy:
                            for request_id in requests.request_ids], dtype=np.int64)
         next_depths = np.where(depths < current, np.minimum(2 * depths, next_tier), next_tier)
         lengths = request_lengths(requests, self.config, depths, next_depths)
-        drafted = int(signals.requests.drafted.sum())
-        accepted = int(signals.requests.accepted.sum())
+        drafted = int(requests.drafted.sum())
+        accepted = int(requests.accepted.sum())
         if drafted and accepted / drafted < self.config.off_below:
             return Decision(snap_down(0, self.candidates), "acceptance below the floor",
                             {"acceptance": accepted / drafted})

@@ -308,7 +308,8 @@ class VllmEngine:
         from replicas.engines.vllm_hooks import SET_CAPS_UTILITY
 
         if not self.applies_draft_caps:
-            raise RuntimeError("per-request draft caps need vLLM's synchronous scheduler")
+            raise RuntimeError("per-request draft caps need vLLM's synchronous scheduler "
+                               "and the ngram drafter")
         # The engine core knows requests by vLLM's internal ids.
         internal = {internal_id: caps[state.external_req_id]
                     for internal_id, state in self._steps.request_states.items()
