@@ -121,14 +121,12 @@ class ClusterState:
         return tuple(prior)
 
     def view(self, replica_id: str) -> dict[str, Any]:
-        mine = self.replicas.get(replica_id, {})
-        ongoing = mine.get("ongoing", 0)
-        # Requests in the replica's handler include those the engine has not admitted yet.
-        local = max(ongoing, mine.get("running", 0) + mine.get("waiting", 0))
-        # Routed but not in the handler yet: in transit, or held back at a full replica.
+        ongoing = self.replicas.get(replica_id, {}).get("ongoing", 0)
+        # Routed but not in the replica's handler yet: in transit, or held back at a full
+        # replica. The replica counts the rest itself, fresher than this view.
         routed = self.routed(replica_id)
         return {
-            "effective_concurrency": local + max(0, routed - ongoing),
+            "in_transit": max(0, routed - ongoing),
             "routed": routed,
             "acceptance_prior": self.acceptance_prior(),
             "class_acceptance": self._class_acceptance,

@@ -373,7 +373,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
         else:  # the telemetry period: every replica pushes and reads its cluster view
             for replica in fleet:
                 view = hub.push(replica.replica_id, replica.telemetry(), now=now)
-                replica.cluster = ClusterView.from_hub(view, replica.load)
+                replica.cluster = ClusterView.from_hub(view)
                 replica.classes.fleet = view["class_acceptance"]
                 replica.classes.fleet_fresh = view["class_fresh"]
             if arrivals_left or any(r.in_flight for r in fleet):

@@ -652,8 +652,9 @@ class GoodputPolicy:
             if current == 0 and deeper else None
         if expected is not None:
             self._steps_on_tier = 0
-            return Decision(expected, "probe: these request classes landed drafts before",
-                            inputs, caps_by_k.get(expected))
+            tier, caps = expected
+            return Decision(tier, "probe: these request classes landed drafts before",
+                            inputs, caps)
         interval = self.config.probe_interval_steps
         if deeper and self._steps_on_tier >= interval and \
                 self._steps - self._last_drafted[deeper[0] - 1] >= interval and \
@@ -706,9 +707,10 @@ class GoodputPolicy:
             self.acceptance.uses_prior(signals.class_prior)
 
     def _tier_the_classes_expect(self, signals: Signals, scores: dict[int, float],
-                                 deeper: list[int]) -> int | None:
+                                 deeper: list[int]) -> tuple[int, dict[str, int]] | None:
         """At K=0: the tier that would win if drafts landed as these request classes' did
-        before, when one would beat K=0 by the margin. Straight there, not through the
+        before, when one would beat K=0 by the margin, with the draft caps the hint gives
+        there. Straight there, not through the
         smallest tier: a high phase that starts while the replica runs K=0 lasts a few
         seconds, and each tier on the way costs a dwell (half a second at batch 8 on this
         machine). Checked only after a few dwells without drafting, so a hint that turns out
@@ -720,8 +722,9 @@ class GoodputPolicy:
             return None
         hint = _extended(signals.class_prior, self.acceptance_width)
         # `draft_share` describes the traffic before K=0 and may be stale: the hint alone.
-        hinted = self.scores(signals, hint, share=1.0, ks=tuple(deeper))
+        parts, caps_by_k = self._evaluate(signals, hint, share=1.0, ks=tuple(deeper))
+        hinted = _scores(parts, self._batch(signals))
         best = max(hinted, key=lambda k: (hinted[k], -k), default=None)  # None: no costs yet
         if best is None or hinted[best] <= scores[0] * (1 + self.config.switch_margin):
             return None
-        return best
+        return best, caps_by_k[best]

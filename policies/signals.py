@@ -103,16 +103,16 @@ class RequestWindows:
 class ClusterView:
     """What the telemetry hub knows beyond this replica (absent when the hub is unreachable)."""
 
-    effective_concurrency: int
-    """running + waiting + routed-to-this-replica-but-not-admitted."""
+    in_transit: int = 0
+    """Requests the routers had sent to this replica that had not reached it, as of the last
+    exchange (on their way, or held back at a full replica)."""
     acceptance_prior: tuple[float, ...] = ()
     """Cluster-wide p[k]: share of drafts with more than k accepted, per position k."""
 
     @classmethod
-    def from_hub(cls, view: dict[str, Any], local_load: int) -> ClusterView:
-        """From the telemetry hub's answer (`ClusterState.view`). The replica's own count of
-        its requests is fresher than the hub's, so the larger of the two counts."""
-        return cls(effective_concurrency=max(view["effective_concurrency"], local_load),
+    def from_hub(cls, view: dict[str, Any]) -> ClusterView:
+        """From the telemetry hub's answer (`ClusterState.view`)."""
+        return cls(in_transit=view["in_transit"],
                    acceptance_prior=tuple(view["acceptance_prior"]))
 
 
@@ -170,10 +170,13 @@ class Signals:
 
     @property
     def effective_concurrency(self) -> int:
-        """The cluster view's concurrency when present, else what the engine itself sees."""
-        if self.cluster is not None:
-            return max(self.cluster.effective_concurrency, self.running)
-        return self.running + self.waiting
+        """running + waiting, as the engine saw them at the window's last step, plus what the
+        cluster view says is on its way here. Only the requests in transit come from the
+        view: its counts of this replica's own requests are up to a telemetry period old,
+        and copy-like requests finish within one (a stale count of 11 priced a batch of 2
+        as 11, and the next exchange undid the switch it made)."""
+        in_transit = self.cluster.in_transit if self.cluster is not None else 0
+        return self.running + self.waiting + in_transit
 
     def verify_batch(self, concurrency: int) -> int:
         """Sequences a step will verify at this concurrency: demand beyond the engine's batch

@@ -188,8 +188,9 @@ class EngineReplica:
 
     def _effective_concurrency(self) -> int:
         counters = self.engine.counters()
+        # Requests in the handler include those the engine has not admitted yet.
         local = max(self.ongoing, counters.running + counters.waiting)
-        return max(local, self.cluster.effective_concurrency if self.cluster else 0)
+        return local + (self.cluster.in_transit if self.cluster else 0)
 
     async def _exchange_with_hub(self) -> None:
         """Push stats, read the cluster view; never waits on a slow or missing hub."""
@@ -232,9 +233,7 @@ class EngineReplica:
 
     async def _apply_view(self, view: dict[str, Any]) -> None:
         self.max_routed = max(self.max_routed, view.get("routed", 0))
-        counters = self.engine.counters()
-        self.cluster = ClusterView.from_hub(view, max(self.ongoing,
-                                                      counters.running + counters.waiting))
+        self.cluster = ClusterView.from_hub(view)
         self._classes.fleet = view.get("class_acceptance") or {}
         self._classes.fleet_fresh = view.get("class_fresh") or {}
         override = view.get("policy_override")

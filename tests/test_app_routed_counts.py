@@ -18,10 +18,10 @@ def test_hub_adds_routed_requests_not_yet_in_the_handler():
     hub.report_routed("router-2", {"a": 2, "b": 1}, now=0.0)
     view = hub.view("a")
     assert view["routed"] == 9
-    assert view["effective_concurrency"] == 6 + (9 - 6)
+    assert view["in_transit"] == 9 - 6
     # Routed requests already in the handler are not counted twice.
     hub.report_routed("router-1", {"a": 3}, now=1.0)
-    assert hub.view("a")["effective_concurrency"] == 6
+    assert hub.view("a")["in_transit"] == 0
     # A router that went silent stops counting.
     hub.push("a", {"running": 4, "waiting": 2, "ongoing": 6, "active_k": 3}, now=3.5)
     assert hub.view("a")["routed"] == 3

@@ -106,13 +106,14 @@ def test_router_takes_only_the_other_routers_share_of_a_report_in_all_and_per_cl
     assert others_in_handler("me", "greedy", {}) == (0, 0)  # no report yet
 
 
-def test_hub_view_counts_effective_concurrency_and_builds_the_prior():
+def test_hub_view_counts_requests_in_transit_and_builds_the_prior():
     hub = ClusterState(stale_after_s=3)
     hub.push("a", {"running": 4, "waiting": 3, "ongoing": 9, "active_k": 7,
                    "window_accepted": [8, 4], "window_drafted": [10, 10]}, now=0.0)
     view = hub.push("b", {"running": 1, "waiting": 0, "ongoing": 1, "active_k": 1,
                           "window_accepted": [2, 0], "window_drafted": [10, 0]}, now=0.5)
-    assert hub.view("a")["effective_concurrency"] == 9
+    hub.report_routed("router-1", {"a": 11}, now=0.5)
+    assert hub.view("a")["in_transit"] == 11 - 9
     assert view["acceptance_prior"] == (0.5, 0.4)
     # A replica that stopped pushing leaves the view.
     hub.push("b", {"running": 0, "waiting": 0, "ongoing": 0, "active_k": 1}, now=4.0)

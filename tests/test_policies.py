@@ -98,10 +98,20 @@ def test_batch_table_follows_vllm_lookup():
     assert [lookup(rows, b) for b in (1, 16, 20, 31, 32, 500)] == [3, 3, 3, 3, 2, 2]
 
 
+def test_effective_concurrency_counts_the_engine_now_and_requests_in_transit():
+    """The engine's own counts come from the window's last step, not from the cluster view
+    (a telemetry period old); the view adds only what is on its way here."""
+    engine_now = Signals(**{**window(3, 0.8, batch=2).__dict__, "waiting": 1})
+    assert engine_now.effective_concurrency == 3
+    routed = Signals(**{**engine_now.__dict__, "cluster": ClusterView(in_transit=4)})
+    assert routed.effective_concurrency == 7
+    assert routed.local_batch == 2
+
+
 def test_batch_table_effective_vs_local():
     config = {"name": "batch_table", "num_speculative_tokens_per_batch_size": [[1, 4, 7],
                                                                               [5, 64, 1]]}
-    busy = ClusterView(effective_concurrency=20)
+    busy = ClusterView(in_transit=18)  # 2 running here, 18 on their way
     local = build_policy({**config, "concurrency_source": "local"}, CANDIDATES)
     effective = build_policy(config, CANDIDATES)
     assert local.decide(window(7, 0.9, batch=2, cluster=busy)).k == 7
@@ -187,7 +197,7 @@ def test_goodput_prices_unmeasured_positions_by_the_request_classes_not_the_flee
     """A chat-like replica (each position lands with 0.45 given the last) in a copy-heavy
     fleet: the fleet's prior prices the positions beyond K as copy traffic, so the policy
     tries deeper tiers than its traffic warrants; its requests' class prior settles it."""
-    fleet = ClusterView(effective_concurrency=8, acceptance_prior=(0.7,) + (0.6,) * 14)
+    fleet = ClusterView(acceptance_prior=(0.7,) + (0.6,) * 14)
     chat = tuple(0.45 ** (k + 1) for k in range(15))
 
     def tiers(class_prior: tuple[float, ...]) -> list[int]:
@@ -451,9 +461,9 @@ def test_goodput_prices_a_tier_by_the_drafts_it_verifies():
 def test_goodput_prices_the_batch_the_engine_can_run():
     """Demand beyond the engine's max batch waits; it adds no verify work to price."""
     backlog = Signals(**{**window(3, 0.8, batch=8).__dict__, "max_batch": 8,
-                         "cluster": ClusterView(effective_concurrency=200)})
+                         "cluster": ClusterView(in_transit=192)})
     at_limit = Signals(**{**window(3, 0.8, batch=8).__dict__,
-                          "cluster": ClusterView(effective_concurrency=8)})
+                          "cluster": ClusterView()})
     assert backlog.verify_batch(backlog.effective_concurrency) == 8
     assert goodput().scores(backlog, [0.8] * 15) == goodput().scores(at_limit, [0.8] * 15)
 
@@ -462,7 +472,7 @@ def test_goodput_restarts_its_estimate_when_the_traffic_shifts():
     """A low-acceptance stretch, then high-acceptance traffic while the fleet's prior still
     describes the old one: the estimate restarts and a deep tier wins at the first decision;
     decaying towards the new traffic instead stays shallow."""
-    stale = ClusterView(effective_concurrency=8, acceptance_prior=(0.05,) * 15)
+    stale = ClusterView(acceptance_prior=(0.05,) * 15)
 
     def first_decision_of_the_new_phase(**overrides) -> int:
         policy, k = goodput(**overrides), 1
@@ -479,7 +489,7 @@ def test_goodput_sets_aside_a_prior_its_own_first_position_contradicts():
     """Prompt lookup on sampled text rarely proposes, so a low phase leaves too little history
     to call a shift; the fleet prior still says deep drafts fail. Once this replica measures
     its first position landing at 0.95, the prior no longer describes its traffic."""
-    stale = ClusterView(effective_concurrency=8, acceptance_prior=(0.05,) * 15)
+    stale = ClusterView(acceptance_prior=(0.05,) * 15)
     # Tiers from K=1 up (a deployment that always drafts): the low stretch keeps it at K=1.
     policy = GoodputPolicy(GoodputConfig(profile=PROFILE, min_dwell_steps=0), (1, 3, 7, 15))
     k = 1
@@ -552,8 +562,8 @@ def test_goodput_speculates_less_as_batch_grows_when_verify_is_compute_bound(
 
 
 def test_goodput_new_replica_starts_from_the_cluster_prior():
-    prior = ClusterView(effective_concurrency=1, acceptance_prior=(0.99,) * 15)
-    pessimistic = ClusterView(effective_concurrency=1, acceptance_prior=(0.01,) * 15)
+    prior = ClusterView(acceptance_prior=(0.99,) * 15)
+    pessimistic = ClusterView(acceptance_prior=(0.01,) * 15)
     fresh = window(3, 0.0, batch=1, steps=1)
     nothing_yet = {"drafts": 0, "drafting_sequence_steps": 0, "accepted_per_pos": (),
                    "drafted_per_pos": ()}
