@@ -264,12 +264,42 @@ def report(results: dict[str, Any]) -> str:
             [[m, f"{modes[m]['throughput'] / best_overall:.3f}",
               *(f"{modes[m]['phases'][p] / best[p]:.3f}" for p in phase_names)]
              for m in adaptive]))
+    if statics and adaptive and rounds > 1:
+        lines.append(paired_table(modes, statics, adaptive, phase_names))
     comparisons = compare_to_statics({m: r["throughput"] for m, r in modes.items()})
     if comparisons:
         lines.append(print_table(
             "ADAPTIVE VS STATIC", ["adaptive", "static", "delta", "verdict"],
             [[a, s, f"{d:+.1%}", verdict(d)] for a, s, d in comparisons]))
     return "\n\n".join(lines)
+
+
+def paired_ratios(modes: dict[str, Any], statics: list[str], mode: str,
+                  phase: str | None = None) -> list[float]:
+    """Per round, `mode` over the best static of the same round (overall, or in `phase`).
+    The modes of a round run back to back, so a slow spell of the machine that lowers a
+    whole round cancels out, which it does not between medians taken over the rounds."""
+    def of(run: dict[str, Any]) -> float:
+        return run["throughput"] if phase is None else run["phases"][phase]
+
+    return [of(run) / max(of(modes[s]["rounds"][i]) for s in statics)
+            for i, run in enumerate(modes[mode]["rounds"])]
+
+
+def paired_table(modes: dict[str, Any], statics: list[str], adaptive: list[str],
+                 phase_names: list[str]) -> str:
+    def cell(ratios: list[float], bar: float) -> str:
+        met = sum(r >= bar for r in ratios)
+        return (f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}] "
+                f"{met}/{len(ratios)}")
+
+    return print_table(
+        "ADAPTIVE VS THE BEST STATIC OF THE SAME ROUND (median [min-max] of the rounds' "
+        "ratios; rounds at the bar: 1.0 overall, 0.9 per phase)",
+        ["mode", "overall", *phase_names],
+        [[m, cell(paired_ratios(modes, statics, m), 1.0),
+          *(cell(paired_ratios(modes, statics, m, p), 0.9) for p in phase_names)]
+         for m in adaptive])
 
 
 def typical_round(runs: list[dict[str, Any]]) -> int:

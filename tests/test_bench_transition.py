@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.transition import combine, plot, report, select_phases, sweep_phases, typical_round
+from bench.transition import (
+    combine,
+    paired_ratios,
+    plot,
+    report,
+    select_phases,
+    sweep_phases,
+    typical_round,
+)
 
 
 def _round(throughput: float, low: float, errors: int, switches: int) -> dict:
@@ -34,6 +42,22 @@ def test_report_compares_adaptive_modes_with_the_best_static_per_phase() -> None
     text = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 1})
     row = next(line for line in text.splitlines() if line.startswith("| goodput | 1.050"))
     assert row == "| goodput | 1.050 | 0.900 | 1.000 |"
+
+
+def test_report_pairs_each_round_with_that_rounds_best_static() -> None:
+    """Round 2 ran at half speed for every mode; each round is compared with its own best
+    static, so the slow round does not count against any mode."""
+    modes = {"static1": combine([_round(400, 200, 0, 0), _round(200, 100, 0, 0)]),
+             "static15": combine([_round(380, 210, 0, 0), _round(190, 95, 0, 0)]),
+             "goodput": combine([_round(410, 220, 0, 3), _round(205, 90, 0, 3)])}
+    assert paired_ratios(modes, ["static1", "static15"], "goodput") == \
+        pytest.approx([1.025, 1.025])
+    assert paired_ratios(modes, ["static1", "static15"], "goodput", "low_1") == \
+        pytest.approx([220 / 210, 0.9])
+    text = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 2})
+    row = next(line for line in text.splitlines() if line.startswith("| goodput | 1.025 ["))
+    assert row == ("| goodput | 1.025 [1.025-1.025] 2/2 | 0.974 [0.900-1.048] 2/2 "
+                   "| 1.000 [1.000-1.000] 2/2 |")
 
 
 def test_the_plot_shows_each_adaptive_mode_in_its_median_round(tmp_path: Path) -> None:
