@@ -290,7 +290,7 @@ class Ingress:
                 "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
                 "stop": body.stops(), "ignore_eos": body.ignore_eos,
                 "request_class": "greedy" if body.temperature < GREEDY_BELOW else "sampled",
-                **extra}
+                "stream": body.stream, **extra}
 
     async def _respond(self, request: Request, body: SamplingFields, payload: dict[str, Any],
                        chat: bool) -> Any:

@@ -24,6 +24,7 @@ from observability.metrics import ReplicaMetrics
 from policies.class_acceptance import DEFAULT_CLASS, ClassAcceptance, ClassPrior, class_counts
 from policies.registry import build_policy, parse_policy_config
 from policies.signals import ClusterView, Decision
+from replicas.chunks import Chunk, first_then_rest
 from replicas.control_loop import ControlLoop
 from replicas.engines.base import EngineInputError, GenerationRequest, add_per_position
 from replicas.engines.factory import build_engine
@@ -116,14 +117,13 @@ class EngineReplica:
                 stop=tuple(payload.get("stop") or ()), logprobs=payload.get("logprobs"),
                 ignore_eos=payload.get("ignore_eos", False),
                 request_class=source[1])
-            async for chunk in self.engine.generate(request):
-                prompt_tokens, completion_tokens = chunk.prompt_tokens, chunk.completion_tokens
-                yield {"text": chunk.text, "token_ids": list(chunk.token_ids),
-                       "prompt_tokens": chunk.prompt_tokens,
-                       "completion_tokens": chunk.completion_tokens,
-                       "finish_reason": chunk.finish_reason,
-                       "logprobs": [{str(t): lp for t, lp in entry.items()}
-                                    for entry in chunk.logprobs] if chunk.logprobs else None}
+            chunks = self._chunks(request)
+            # A caller that did not ask to stream gets two chunks, not one per step.
+            async for chunk in chunks if payload.get("stream", True) else \
+                    first_then_rest(chunks):
+                prompt_tokens, completion_tokens = chunk["prompt_tokens"], \
+                    chunk["completion_tokens"]
+                yield chunk
         except EngineInputError as bad_input:
             error = bad_input
             yield {"error": {"message": str(bad_input), "type": "invalid_request_error",
@@ -146,6 +146,15 @@ class EngineReplica:
                 draft_tokens=after.draft_tokens - before.draft_tokens,
                 accepted_tokens=after.accepted_tokens - before.accepted_tokens,
                 verify_steps=after.drafts - before.drafts)
+
+    async def _chunks(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        async for chunk in self.engine.generate(request):
+            yield {"text": chunk.text, "token_ids": list(chunk.token_ids),
+                   "prompt_tokens": chunk.prompt_tokens,
+                   "completion_tokens": chunk.completion_tokens,
+                   "finish_reason": chunk.finish_reason,
+                   "logprobs": [{str(t): lp for t, lp in entry.items()}
+                                for entry in chunk.logprobs] if chunk.logprobs else None}
 
     # ---- control ----------------------------------------------------------------------------
 
