@@ -428,7 +428,7 @@ def steady_lengths(requests: RequestWindows, landing: list[float], prior_strengt
 
 
 def _scores(parts: dict[int, tuple[float, float]], batch: int) -> dict[int, float]:
-    """Tokens/s per K from `GoodputPolicy.breakdown`'s (tokens per sequence-step, seconds)."""
+    """Tokens/s per K from `GoodputPolicy._evaluate`'s (tokens per sequence-step, seconds)."""
     return {k: batch * length / seconds for k, (length, seconds) in parts.items()}
 
 
@@ -536,18 +536,13 @@ class GoodputPolicy:
         """Expected tokens/s per candidate in `ks` (default: all; empty until some step cost
         is known), with drafts proposed at a share `share` of the sequence-steps (default:
         the measured `draft_share`)."""
-        return _scores(self.breakdown(signals, rates, share, ks), self._batch(signals))
-
-    def breakdown(self, signals: Signals, rates: list[float], share: float | None = None,
-                  ks: tuple[int, ...] | None = None) -> dict[int, tuple[float, float]]:
-        """Per candidate in `ks` (see `scores`): (tokens per sequence-step, step seconds)."""
-        return self._evaluate(signals, rates, share, ks)[0]
+        return _scores(self._evaluate(signals, rates, share, ks)[0], self._batch(signals))
 
     def _evaluate(self, signals: Signals, rates: list[float], share: float | None = None,
                   ks: tuple[int, ...] | None = None
                   ) -> tuple[dict[int, tuple[float, float]], dict[int, dict[str, int]]]:
-        """`breakdown`, and per K the per-request draft caps it assumed there (none: every
-        request drafts K).
+        """Per candidate in `ks` (see `scores`): (tokens per sequence-step, step seconds);
+        and per K the per-request draft caps assumed there (none: every request drafts K).
 
         Where the engine applies caps (see `GoodputConfig.draft_caps`), each K is scored
         with the best of a few cap sets: each request drafts the positions that land with at
