@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(if $(HAS_CUDA),gpu,cpu)
 export RAY_AUTH_MODE ?= disabled
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: install serve test lint bench bench-replay bench-cluster bench-engine bench-http models clean
+.PHONY: install serve test lint bench bench-replay bench-cluster bench-engine bench-http bench-stream models clean
 
 install: $(STAMP)
 
@@ -42,8 +42,8 @@ lint: install
 # Every benchmark, then the README's result tables regenerated from bench/results/:
 # simulator replays and the cluster simulation (minutes), the vLLM engine benchmark (minutes),
 # and the HTTP benchmarks against `serve run serve_config.yaml`, started and stopped here
-# (about 40 minutes on 2 cores).
-bench: bench-replay bench-cluster bench-engine bench-http
+# (about 45 minutes on 2 cores, the streaming one included).
+bench: bench-replay bench-cluster bench-engine bench-http bench-stream
 	$(BIN)/python -m bench.readme_tables
 
 bench-replay: install
@@ -61,6 +61,9 @@ bench-engine: install
 
 bench-http: install
 	$(BIN)/python -m bench.http_suite
+
+bench-stream: install
+	$(BIN)/python -m bench.stream_interval
 
 models: install
 	$(BIN)/python scripts/train_demo_models.py --out models

@@ -35,6 +35,10 @@ class AppArgs(BaseModel):
     decide_every_steps: int = Field(4, ge=1)
     telemetry_period_s: float = Field(0.5, gt=0, le=1.0)
     """How often replicas push stats and refresh their cluster view (and routing stats)."""
+    stream_interval_ms: float = Field(50.0, ge=0)
+    """A streamed request's tokens go to the ingress at most once per interval (the first at
+    once), merged: one Serve message per engine step costs more CPU than the step. 0 sends
+    every step's tokens as they come. Ray Serve LLM's `stream_batching_interval_ms`."""
     max_ongoing_requests: int = Field(64, ge=1)
     max_queued_requests: int = Field(256, ge=-1)
     ingress_max_ongoing_requests: int = Field(512, ge=1)
@@ -97,5 +101,6 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         engine_replica.bind(engine=args.engine.model_dump(), candidates=args.candidates,
                             policy=args.policy, initial_k=args.initial_k,
                             decide_every_steps=args.decide_every_steps,
-                            telemetry_period_s=args.telemetry_period_s),
+                            telemetry_period_s=args.telemetry_period_s,
+                            stream_interval_ms=args.stream_interval_ms),
         model_name=args.engine.name, api_key=args.api_key)

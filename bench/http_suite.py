@@ -10,11 +10,13 @@ transition_http.* and sweep_http.*), then stops the app. Loopback only; every wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,14 +26,17 @@ RESULTS = Path("bench/results")
 MODES = "static1,static3,static7,static15,ema,goodput"
 WORKLOADS = {
     # The issue's settings; the sweep's requests are the floor of each phase (2 x concurrency
-    # otherwise), kept low so the concurrency-1 phases stay minutes, not tens of minutes.
+    # otherwise): 16, so each concurrency-1 phase lasts about 10 s. At 8 (5 s) one round's
+    # c1 throughput moved by +-15% for every mode alike, more than the modes differ there,
+    # and the verdict against the best of four statics followed the noise (goodput's c1 was
+    # 0.842x the best static in one suite run, 1.14x static15 in a 16-request study of c1).
     # Both run several rounds, modes interleaved (medians): one phase of one mode moves by up
     # to 2x between runs on a 2-core machine (the sweep's goodput at concurrency 64 went from
     # 0.68x to 1.24x static3 between two single runs). Five rounds each: the transition
-    # takes about 2 minutes a round, the sweep about 4 (with three, the sweep's per-round
+    # takes about 2 minutes a round, the sweep about 5 (with three, the sweep's per-round
     # ratios spread 0.98-1.02x around a verdict line at 1.0, and one round moved the median).
     "transition": ["--requests", "16", "--concurrency", "8", "--rounds", "5"],
-    "sweep": ["--requests", "8", "--rounds", "5"],
+    "sweep": ["--requests", "16", "--rounds", "5"],
 }
 
 
@@ -71,6 +76,23 @@ def stop(server: subprocess.Popen) -> None:
     subprocess.run([str(ray), "stop", "--force"], check=False, capture_output=True)
 
 
+@contextlib.contextmanager
+def serving(config: Path, url: str, startup_timeout_s: float) -> Iterator[dict[str, str]]:
+    """`serve run config` until the block ends (loopback only); yields the environment the
+    benchmark clients should run with."""
+    if not url.startswith(("http://127.0.0.1", "http://localhost")):
+        raise SystemExit("the benchmark starts its own app: use a loopback URL")
+    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+           "NO_PROXY": "127.0.0.1,localhost"}
+    serve = Path(sys.executable).with_name("serve")
+    server = subprocess.Popen([str(serve), "run", str(config)], env=env)
+    try:
+        wait_ready(url, expected_replicas(config), server, startup_timeout_s)
+        yield env
+    finally:
+        stop(server)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=Path("serve_config.yaml"))
@@ -78,14 +100,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="transition,sweep")
     parser.add_argument("--startup-timeout", type=float, default=600)
     args = parser.parse_args()
-    if not args.url.startswith(("http://127.0.0.1", "http://localhost")):
-        raise SystemExit("the suite starts its own app: use a loopback URL")
-    env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
-           "NO_PROXY": "127.0.0.1,localhost"}
-    serve = Path(sys.executable).with_name("serve")
-    server = subprocess.Popen([str(serve), "run", str(args.config)], env=env)
-    try:
-        wait_ready(args.url, expected_replicas(args.config), server, args.startup_timeout)
+    with serving(args.config, args.url, args.startup_timeout) as env:
         for workload in args.workloads.split(","):
             stem = RESULTS / ("transition_http" if workload == "transition" else "sweep_http")
             subprocess.run(
@@ -94,8 +109,6 @@ def main() -> None:
                  "--modes", MODES, "--json", str(stem.with_suffix(".json")),
                  "--plot", str(stem.with_suffix(".png")),
                  "--markdown", str(stem.with_suffix(".md"))], env=env, check=True)
-    finally:
-        stop(server)
 
 
 if __name__ == "__main__":

@@ -5,17 +5,23 @@ A chunk is {"text", "token_ids", "prompt_tokens", "completion_tokens", "finish_r
 without speculation. Each crosses from the replica to the ingress as a message of Serve's
 streaming protocol, and costs both processes far more than the engine spends on the token:
 over HTTP on the 2-core dev machine the ingress used more CPU relaying one-token chunks than
-both engine cores used computing them. A caller that did not ask to stream reads only the
-whole text, so it gets two chunks: the first at once (a bad request, or the time to the
-first token, shows as it would streamed), and the rest merged when the request finishes.
+both engine cores used computing them. So a replica coalesces them (`coalesce`): the first
+chunk goes at once (a bad request, or the time to the first token, shows as it would one per
+step), and after it the chunks that arrive within an interval of the last send go as one.
+A caller that streams gets a chunk about every interval (Ray Serve LLM's
+`stream_batching_interval_ms`, 50 ms by default there and here); a caller that did not ask
+to stream reads only the whole text, so the interval is unbounded and it gets two chunks.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
 Chunk = dict[str, Any]
+_END = object()  # what the reader queues after the last chunk
 
 
 def merge_chunks(chunks: list[Chunk]) -> Chunk:
@@ -32,13 +38,58 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
             "logprobs": logprobs or None}
 
 
-async def first_then_rest(chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
-    """The first chunk as it comes, then everything after it as one chunk at the end."""
+async def coalesce(chunks: AsyncIterator[Chunk], interval_s: float) -> AsyncIterator[Chunk]:
+    """The first chunk as it comes; then, at most once per `interval_s` (from the last send),
+    every chunk that arrived since, merged. The last ones go as soon as the stream ends, not
+    at the next tick. An interval of 0 passes every chunk through as it comes; `math.inf`
+    sends the rest as one chunk at the end.
+
+    A reader task drains `chunks` while this generator waits for its next send, so the
+    engine's outputs never wait on the interval. Closing this generator (the caller went
+    away) cancels the reader, and with it the engine's request.
+    """
     iterator = aiter(chunks)
     try:
         yield await anext(iterator)
     except StopAsyncIteration:
         return
-    rest = [chunk async for chunk in iterator]
-    if rest:
-        yield merge_chunks(rest)
+    if interval_s <= 0:
+        async for chunk in iterator:
+            yield chunk
+        return
+    arrived: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def read() -> None:
+        try:
+            async for chunk in iterator:
+                arrived.put_nowait(chunk)
+        except Exception as error:  # raised to the consumer, after what arrived before it
+            arrived.put_nowait(error)
+        arrived.put_nowait(_END)
+
+    reader = asyncio.create_task(read())
+    loop = asyncio.get_running_loop()
+    pending: list[Chunk] = []
+    sent_at, due = loop.time(), None  # when the pending chunks go (None: at the end)
+    try:
+        while True:
+            try:
+                async with asyncio.timeout_at(due):
+                    item = await arrived.get()
+            except TimeoutError:
+                item = None  # the tick: send what arrived
+            if item is None or item is _END:
+                if pending:
+                    yield merge_chunks(pending)
+                    pending, sent_at, due = [], loop.time(), None
+                if item is _END:
+                    return
+                continue
+            if isinstance(item, Exception):
+                raise item
+            if not pending and not math.isinf(interval_s):
+                due = sent_at + interval_s  # past already after a quiet spell: goes now
+            pending.append(item)
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -24,7 +25,7 @@ from observability.metrics import ReplicaMetrics
 from policies.class_acceptance import DEFAULT_CLASS, ClassAcceptance, ClassPrior, class_counts
 from policies.registry import build_policy, parse_policy_config
 from policies.signals import ClusterView, Decision
-from replicas.chunks import Chunk, first_then_rest
+from replicas.chunks import Chunk, coalesce
 from replicas.control_loop import ControlLoop
 from replicas.engines.base import EngineInputError, GenerationRequest, add_per_position
 from replicas.engines.factory import build_engine
@@ -49,7 +50,8 @@ def _load_tokenizer(model: str) -> Any:
 class EngineReplica:
     async def __init__(self, engine: dict[str, Any], candidates: list[int],
                        policy: dict[str, Any], initial_k: int | None = None,
-                       decide_every_steps: int = 4, telemetry_period_s: float = 0.5):
+                       decide_every_steps: int = 4, telemetry_period_s: float = 0.5,
+                       stream_interval_ms: float = 50.0):
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         rank = getattr(context.rank, "rank", context.rank) or 0  # an object since ray 2.60
@@ -67,6 +69,7 @@ class EngineReplica:
         self.metrics = ReplicaMetrics(self.replica_id, self.pool.candidates)
         self.active_spans = tracing.ActiveSpans()
         self.telemetry_period_s = telemetry_period_s
+        self.stream_interval_s = stream_interval_ms / 1000
         self.ongoing = 0
         # Requests in the handler per (router id, request class): routers take the others'.
         self._ongoing_by_router: Counter[tuple[str | None, str]] = Counter()
@@ -117,13 +120,14 @@ class EngineReplica:
                 stop=tuple(payload.get("stop") or ()), logprobs=payload.get("logprobs"),
                 ignore_eos=payload.get("ignore_eos", False),
                 request_class=source[1])
-            chunks = self._chunks(request)
-            # A caller that did not ask to stream gets two chunks, not one per step.
-            async for chunk in chunks if payload.get("stream", True) else \
-                    first_then_rest(chunks):
-                prompt_tokens, completion_tokens = chunk["prompt_tokens"], \
-                    chunk["completion_tokens"]
-                yield chunk
+            # A chunk per interval, not per step; a caller that did not ask to stream gets
+            # two (see `replicas.chunks`).
+            interval = self.stream_interval_s if payload.get("stream", True) else math.inf
+            async with contextlib.aclosing(coalesce(self._chunks(request), interval)) as chunks:
+                async for chunk in chunks:
+                    prompt_tokens, completion_tokens = chunk["prompt_tokens"], \
+                        chunk["completion_tokens"]
+                    yield chunk
         except EngineInputError as bad_input:
             error = bad_input
             yield {"error": {"message": str(bad_input), "type": "invalid_request_error",

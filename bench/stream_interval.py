@@ -1,0 +1,199 @@
+"""Streamed requests with and without coalescing their chunks, side by side in one run.
+
+    python -m bench.stream_interval                  # 0 and 50 ms, concurrency 8 and 64
+    python -m bench.stream_interval --intervals 0,20,50 --concurrency 8,64 --rounds 3
+
+A replica sends a streamed request's tokens to the ingress at most once per
+`stream_interval_ms` (the first at once; see `replicas.chunks`). The interval is fixed when
+the app starts, so this benchmark starts `serve run serve_config.yaml` once per interval (with
+only that argument changed) and streams the same requests at each concurrency: a mix of the
+sweep's prompts (greedy repetitive text, sampled free text), `stream: true`, 256 tokens each.
+
+Reported per interval and concurrency (medians over rounds): throughput, time to the first
+token, SSE events per request, the 99th percentile of the gap between a request's events,
+and the machine's CPU seconds per thousand tokens (from /proc/stat: every process, the
+client's parsing included). Ratios against the first interval follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from bench.http_suite import serving
+from bench.report import print_table
+from bench.workloads import HIGH, LOW
+
+RESULTS = Path("bench/results")
+MIX = tuple(p for pair in zip(HIGH, LOW, strict=True) for p in pair)
+
+
+@dataclass
+class Streamed:
+    tokens: int
+    ttft_s: float
+    events: int
+    gaps_s: list[float] = field(default_factory=list)
+
+
+async def stream_one(http: httpx.AsyncClient, model: str, index: int, max_tokens: int
+                     ) -> Streamed:
+    prompt = MIX[index % len(MIX)]
+    body = {"model": model, "prompt": prompt.text, "max_tokens": max_tokens,
+            "temperature": prompt.temperature, "seed": index, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    times: list[float] = []
+    tokens = 0
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if event.get("choices") and event["choices"][0]["text"]:
+                times.append(time.perf_counter())
+    return Streamed(tokens, times[0] - started if times else 0.0, len(times),
+                    [b - a for a, b in itertools.pairwise(times)])
+
+
+def cpu_seconds() -> float:
+    """The machine's busy CPU seconds so far (user, nice, system, irq, softirq)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[:7])
+    return (user + nice + system + irq + softirq) / 100  # USER_HZ is 100 on Linux
+
+
+async def run_load(url: str, concurrency: int, requests: int, max_tokens: int
+                   ) -> dict[str, float]:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        model = (await http.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
+        pending = iter(range(requests))
+        results: list[Streamed] = []
+
+        async def worker() -> None:
+            for index in pending:
+                results.append(await stream_one(http, model, index, max_tokens))
+
+        cpu, started = cpu_seconds(), time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
+    tokens = sum(r.tokens for r in results)
+    gaps = sorted(g for r in results for g in r.gaps_s)
+    return {"throughput": tokens / seconds,
+            "ttft_s": statistics.median(r.ttft_s for r in results),
+            "events_per_request": statistics.mean(r.events for r in results),
+            "gap_p99_ms": 1000 * gaps[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
+            "cpu_s_per_1k_tokens": 1000 * cpu / tokens if tokens else 0.0}
+
+
+def measure(args: argparse.Namespace, interval_ms: float) -> dict[int, dict[str, float]]:
+    config = yaml.safe_load(args.config.read_text())
+    config["applications"][0].setdefault("args", {})["stream_interval_ms"] = interval_ms
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=".", delete=False) as file:
+        yaml.safe_dump(config, file)  # next to the original: `serve run` imports from "."
+    path = Path(file.name)
+    try:
+        with serving(path, args.url, args.startup_timeout):
+            asyncio.run(run_load(args.url, 8, args.warmup, args.max_tokens))
+            rounds = {c: [asyncio.run(run_load(args.url, c, max(args.requests, 2 * c),
+                                               args.max_tokens))
+                          for _ in range(args.rounds)] for c in args.concurrency}
+    finally:
+        path.unlink()
+    return {c: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+            for c, runs in rounds.items()}
+
+
+COLUMNS = (("throughput", "tok/s", "{:.0f}"), ("ttft_s", "TTFT p50 s", "{:.3f}"),
+           ("events_per_request", "events / request", "{:.1f}"),
+           ("gap_p99_ms", "gap p99 ms", "{:.0f}"),
+           ("cpu_s_per_1k_tokens", "CPU s / 1k tokens", "{:.2f}"))
+
+
+def report(results: dict[str, Any]) -> str:
+    by_interval = results["intervals"]
+    names = list(by_interval)
+    rows = [[f"{name} ms", c, *(fmt.format(by_interval[name][c][key])
+                                for key, _, fmt in COLUMNS)]
+            for name in names for c in by_interval[name]]
+    tables = [print_table(f"STREAMED REQUESTS BY COALESCING INTERVAL (median of "
+                          f"{results['rounds']} rounds; {results['max_tokens']} tokens each)",
+                          ["interval", "concurrency", *(title for _, title, _ in COLUMNS)],
+                          rows)]
+    base = names[0]
+    ratios = [[f"{name} ms / {base} ms", c,
+               *(f"{by_interval[name][c][key] / by_interval[base][c][key]:.2f}x"
+                 if by_interval[base][c][key] else "-" for key, _, _ in COLUMNS)]
+              for name in names[1:] for c in by_interval[name]]
+    if ratios:
+        tables.append(print_table("RATIOS", ["intervals", "concurrency",
+                                             *(title for _, title, _ in COLUMNS)], ratios))
+    return "\n\n".join(tables)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_interval = results["intervals"]
+    concurrency = list(next(iter(by_interval.values())))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    width = 0.8 / len(by_interval)
+    for ax, key, title in zip(axes, ("throughput", "cpu_s_per_1k_tokens", "ttft_s"),
+                              ("throughput (tok/s)", "machine CPU s per 1k tokens",
+                               "time to first token, p50 (s)"), strict=True):
+        for i, (name, rows) in enumerate(by_interval.items()):
+            ax.bar([j + i * width for j in range(len(concurrency))],
+                   [rows[c][key] for c in concurrency], width, label=f"{name} ms")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(concurrency))],
+                      [f"concurrency {c}" for c in concurrency])
+        ax.set_title(title)
+    axes[0].legend()
+    fig.suptitle("Streamed requests: chunks coalesced per interval (real vLLM-CPU app)")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=Path("serve_config.yaml"))
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--intervals", default="0,50", help="ms, the first is the baseline")
+    parser.add_argument("--concurrency", default="8,64")
+    parser.add_argument("--requests", type=int, default=16, help="per round; at least 2 x c")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--json", type=Path, default=RESULTS / "stream_interval.json")
+    parser.add_argument("--markdown", type=Path, default=RESULTS / "stream_interval.md")
+    parser.add_argument("--plot", type=Path, default=RESULTS / "stream_interval.png")
+    args = parser.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    results = {"rounds": args.rounds, "max_tokens": args.max_tokens, "intervals": {
+        name: measure(args, float(name)) for name in args.intervals.split(",")}}
+    text = report(results)
+    print(text)
+    args.json.write_text(json.dumps(results, indent=1))
+    args.markdown.write_text(text + "\n")
+    plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
