@@ -40,7 +40,8 @@ replica-hour: over the whole run, and in the steady window (after `WARMUP_S`, un
 end). The whole run's count is mostly two one-off transients a fleet in service does not repeat
 each hour: every replica's first moves from its starting tier, and the walk back up the tiers
 as the queues drain after the last arrival. The steady window is what a long-running fleet
-would see.
+would see. At the smaller fleets the goodput modes run again told the SLO's bound on time per
+output token (`tpot_slo_ms`), against themselves without it.
 """
 
 from __future__ import annotations
@@ -204,6 +205,8 @@ class ModeOutcome:
     slo_tokens: int = 0
     """Tokens of requests that met the SLO, wherever they finished (the run drains)."""
     slo_requests: int = 0
+    tpot_missed: int = 0
+    """Requests over the SLO's time per output token (whatever their time to first token)."""
     latencies: list[float] = field(default_factory=list)
     switches: int = 0
     steady_switches: int = 0
@@ -221,6 +224,7 @@ class ModeOutcome:
         self.tokens += tokens
         ttft = tracked.first_token_at - tracked.arrival.at
         tpot = (now - tracked.first_token_at) / max(1, tokens - 1)
+        self.tpot_missed += tpot > slo_tpot_s
         if ttft <= slo_ttft_s and tpot <= slo_tpot_s:
             self.slo_tokens += tokens
             self.slo_requests += 1
@@ -261,12 +265,15 @@ class OracleK:
         return Decision(max(self.candidates, key=tokens_per_second), "oracle")
 
 
-def policy_for(mode: str, switch_margin: float | None = None) -> dict[str, Any]:
+def policy_for(mode: str, switch_margin: float | None = None,
+               tpot_bound_s: float | None = None) -> dict[str, Any]:
     if mode.startswith("goodput"):
         config = replay_policy_config("goodput", PRESET)
         config["concurrency_source"] = "local" if mode == "goodput_local" else "effective"
         if switch_margin is not None:
             config["switch_margin"] = switch_margin
+        if tpot_bound_s is not None:  # the operator's SLO, as `tpot_slo_ms` in a config
+            config["tpot_slo_ms"] = 1000 * tpot_bound_s
         return config
     config = replay_policy_config(mode, PRESET)
     if mode in ("batch_table", "ema"):
@@ -276,7 +283,8 @@ def policy_for(mode: str, switch_margin: float | None = None) -> dict[str, Any]:
 
 async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s: float,
                    slo_ttft_s: float, slo_tpot_s: float, seed: int,
-                   switch_margin: float | None = None) -> ModeOutcome:
+                   switch_margin: float | None = None, tpot_bound: bool = False
+                   ) -> ModeOutcome:
     started = time.perf_counter()
     preset = PRESETS[PRESET]
     uses_cluster, gathering = mode in CLUSTER, mode == "goodput_routed"
@@ -288,7 +296,8 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
         await pool.apply_initial()
         replica = SimReplica(f"r{i}", engine, pool, learns_classes=uses_cluster)
         policy = OracleK(engine, CANDIDATES) if mode == ORACLE else \
-            build_policy(policy_for(mode, switch_margin), CANDIDATES)
+            build_policy(policy_for(mode, switch_margin, slo_tpot_s if tpot_bound else None),
+                         CANDIDATES)
         replica.loop = ControlLoop(
             engine, pool, policy,
             max_batch=engine.max_num_seqs,
@@ -390,6 +399,7 @@ def summarise(outcome: ModeOutcome, replicas: int) -> dict[str, Any]:
     replica_hours = replicas * outcome.end_s / 3600
     return {"goodput": outcome.slo_tokens / outcome.window_s,
             "slo_attainment": outcome.slo_requests / max(1, len(latencies)),
+            "tpot_missed": outcome.tpot_missed / max(1, len(latencies)),
             "throughput": outcome.window_tokens / outcome.window_s,
             "p50_s": statistics.median(latencies),
             "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
@@ -522,6 +532,29 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
             ["replicas", "switch margin", "goodput / default's", "throughput / default's",
              "SLO met", "switches / replica-hour", "steady switches / replica-hour",
              "ema switches / these", "the same, steady window"], rows))
+    bounded = {n: r for n, r in runs.items() if "tpot_bound" in r}
+    if bounded:
+        rows = []
+        for n, run in bounded.items():
+            best_local = run["verdicts"]["best_local"]
+            for mode, r in run["tpot_bound"].items():
+                base = run["modes"][mode]
+                rows.append([n, mode, f"{r['goodput'] / base['goodput']:.3f}",
+                             f"{r['throughput'] / base['throughput']:.3f}",
+                             f"{base['slo_attainment']:.1%} -> {r['slo_attainment']:.1%}",
+                             f"{base['tpot_missed']:.1%} -> {r['tpot_missed']:.1%}",
+                             f"{base['switches_per_replica_hour']:.0f} -> "
+                             f"{r['switches_per_replica_hour']:.0f}",
+                             f"{base['steady_switches_per_replica_hour']:.0f} -> "
+                             f"{r['steady_switches_per_replica_hour']:.0f}",
+                             f"{r['goodput'] / run['modes'][best_local]['goodput']:.3f}"])
+        parts.append(print_table(
+            "WITH THE SLO'S BOUND ON TIME PER TOKEN (`tpot_slo_ms`; first seed; vs the same "
+            "mode without)",
+            ["replicas", "mode", "goodput / without", "throughput / without", "SLO met",
+             "over the TPOT bound",
+             "switches / replica-hour", "steady switches / replica-hour",
+             "goodput / best local-only without"], rows))
     shares = next(iter(runs.values()))["token_shares"]
     bounds = {b: gathering_bound(PRESETS[PRESET], shares, b) for b in (16, 32, 64)}
     parts.append(print_table(
@@ -574,21 +607,26 @@ class Run:
     slo_ttft_s: float
     slo_tpot_s: float
     switch_margin: float | None = None
+    tpot_bound: bool = False
+    """Whether the goodput modes bound time per output token at the SLO's (`tpot_slo_ms`)."""
 
 
 def run_one(run: Run) -> dict[str, Any]:
     arrivals = workload(run.replicas, run.duration_s, run.shape, run.seed)
     outcome = asyncio.run(simulate(run.mode, run.replicas, arrivals, run.duration_s,
-                                   run.slo_ttft_s, run.slo_tpot_s, run.seed, run.switch_margin))
+                                   run.slo_ttft_s, run.slo_tpot_s, run.seed, run.switch_margin,
+                                   run.tpot_bound))
     return summarise(outcome, run.replicas)
 
 
 def submit(pool: Executor, args: argparse.Namespace, shape: LoadShape, replicas: int,
            modes: list[str], seed: int, duration_s: float,
-           switch_margin: float | None = None) -> dict[str, Future]:
+           switch_margin: float | None = None, tpot_bound: bool = False
+           ) -> dict[str, Future]:
     """Queue one simulation per mode; their summaries come back as the futures complete."""
     return {mode: pool.submit(run_one, Run(mode, replicas, duration_s, shape, seed,
-                                           args.slo_ttft, args.slo_tpot, switch_margin))
+                                           args.slo_ttft, args.slo_tpot, switch_margin,
+                                           tpot_bound))
             for mode in modes}
 
 
@@ -616,6 +654,9 @@ def run_all(pool: Executor, args: argparse.Namespace) -> dict[int, dict[str, Any
             margins = {margin: submit(pool, args, shape, replicas, ["goodput_routed"], args.seed,
                                       duration, float(margin))
                        for margin in args.margins.split(",")}
+        # The goodput modes again, told the SLO's bound on time per token (`tpot_slo_ms`).
+        bounded = submit(pool, args, shape, replicas, [m for m in MODES if m.startswith(
+            "goodput")], args.seed, duration, tpot_bound=True) if with_extras else {}
         results = {}
         for mode, future in default.items():
             results[mode] = result = future.result()
@@ -641,6 +682,8 @@ def run_all(pool: Executor, args: argparse.Namespace) -> dict[int, dict[str, Any
         if margins:
             run["margins"] = {margin: collect(f)["goodput_routed"]
                               for margin, f in margins.items()}
+        if bounded:
+            run["tpot_bound"] = collect(bounded)
     return runs
 
 

@@ -45,6 +45,8 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   burden of proof is on drafting: a drafting tier within `DRAFT_TIE` of the floor is left
   for it without the margin, unless its drafter leaves its slots nearly empty, so its steps
   cost the floor's (see `_idle_drafter`).
+- With `tpot_slo_ms`, only the tokens of requests the tier keeps within that time per
+  output token count (DistServe's goodput; see `GoodputConfig.tpot_slo_ms`).
 - A shift in first-position acceptance beyond `shift_threshold` restarts the acceptance
   estimate (and sets the lagging prior aside for a few decisions): at a phase change
   the decayed windows would otherwise hold the old traffic for several decisions.
@@ -121,6 +123,12 @@ class GoodputConfig(BaseModel):
     profile: list[tuple[int, int, float]] = Field(default_factory=list)
     """Seed step costs: (batch, draft tokens per sequence, seconds) rows, e.g. from
     `bench.engine_bench` at tiers the drafter fills (there the depth is K)."""
+    tpot_slo_ms: float | None = Field(None, gt=0)
+    """A bound on time per output token. When set, K is scored by the tokens a second of the
+    requests it keeps within the bound (a request's step seconds over the tokens it gains a
+    step), not of all: a deeper tier that lifts the batch's tokens/s by slowing the requests
+    whose drafts fail past the bound does not pay (DistServe's goodput). While no tier keeps
+    any request within it (a batch too large for the bound), every token counts again."""
 
 
 class StepCostModel:
@@ -347,6 +355,16 @@ class BatchAcceptance:
         per_slot = slots.sum(axis=1)
         return self.tokens.sum() / per_slot, (slots * depths).sum(axis=1) / per_slot
 
+    def share_within(self, k: int, caps: np.ndarray | None, step_s: float,
+                     bound_s: float) -> float:
+        """The share of the batch's tokens (at K, in its steady state) made by requests
+        whose seconds per token, `step_s` over the tokens they gain a step drafting
+        min(K, cap), are within `bound_s`."""
+        rows = self.tokens.shape[0]
+        depths = np.minimum(k, self.reach.shape[0] if caps is None else caps)
+        within = step_s <= bound_s * self.lengths[depths, np.arange(rows)]
+        return float(self.tokens[within].sum() / self.tokens.sum())
+
     def caps(self, threshold: float, least: int) -> np.ndarray:
         """Per request, the draft positions that land with at least `threshold`, never fewer
         than `least`, and twice the drafts it landed whole in its last step. r_k falls with
@@ -531,17 +549,16 @@ class GoodputPolicy:
                                     self.config.concurrency_source == "effective"
                                     else signals.local_batch)
 
-    def scores(self, signals: Signals, rates: list[float], share: float | None = None,
-               ks: tuple[int, ...] | None = None) -> dict[int, float]:
-        """Expected tokens/s per candidate in `ks` (default: all; empty until some step cost
-        is known), with drafts proposed at a share `share` of the sequence-steps (default:
-        the measured `draft_share`)."""
-        return _scores(self._evaluate(signals, rates, share, ks)[0], self._batch(signals))
+    def scores(self, signals: Signals, rates: list[float], share: float | None = None
+               ) -> dict[int, float]:
+        """Expected tokens/s per candidate (empty until some step cost is known; only the
+        tokens within `tpot_slo_ms` when set), with drafts proposed at a share `share` of
+        the sequence-steps (default: the measured `draft_share`)."""
+        return _scores(self._evaluate(signals, rates, share)[0], self._batch(signals))
 
-    def _evaluate(self, signals: Signals, rates: list[float], share: float | None = None,
-                  ks: tuple[int, ...] | None = None
+    def _evaluate(self, signals: Signals, rates: list[float], share: float | None = None
                   ) -> tuple[dict[int, tuple[float, float]], dict[int, dict[str, int]]]:
-        """Per candidate in `ks` (see `scores`): (tokens per sequence-step, step seconds);
+        """Per candidate (see `scores`): (tokens per sequence-step, step seconds);
         and per K the per-request draft caps assumed there (none: every request drafts K).
 
         Where the engine applies caps (see `GoodputConfig.draft_caps`), each K is scored
@@ -551,7 +568,7 @@ class GoodputPolicy:
         price taken from the average slope capped a copy-only batch at one draft. Cap sets
         are tried from the loosest threshold up, and each must beat the best score so far
         (uncapped, or a looser set) by the switch margin: the least capping that pays."""
-        ks = self.candidates if ks is None else ks
+        ks = self.candidates
         share = self.draft_share if share is None else share
         landing = [share * rate for rate in rates]
         batch = self._batch(signals)
@@ -570,6 +587,30 @@ class GoodputPolicy:
         # A tier costs what the drafts it would verify cost (see `draft_fill`).
         depths = {self.draft_fill * d for _, _, drafts in options for d in drafts}
         seconds = self.costs.predict_row(batch, tuple(depths))
+        bound = None if self.config.tpot_slo_ms is None else self.config.tpot_slo_ms / 1000
+        parts, chosen = self._best_options(options, ks, seconds, requests, bound,
+                                           signals.current_k)
+        if bound is not None and not any(length for length, _ in parts.values()):
+            # No tier keeps any request within the bound: the most tokens drain the queue.
+            parts, chosen = self._best_options(options, ks, seconds, requests, None,
+                                               signals.current_k)
+        ids = signals.requests.request_ids
+        return parts, {k: {} if caps is None else {
+            request_id: cap for request_id, cap in zip(ids, caps.tolist(), strict=True)
+            if cap < k} for k, caps in chosen.items()}
+
+    def _best_options(self, options: list[tuple[np.ndarray | None, list[float], list[float]]],
+                      ks: tuple[int, ...], seconds: dict[float, float],
+                      requests: BatchAcceptance | None, bound_s: float | None, current: int
+                      ) -> tuple[dict[int, tuple[float, float]], dict[int, np.ndarray | None]]:
+        """Per K, the best of `options` (caps, tokens per sequence-step, drafts per sequence
+        at each K): its (tokens per sequence-step, step seconds), counting only the tokens
+        of requests within `bound_s` per token when given; and the caps it takes.
+
+        The bound is looser by the switch margin on the `current` tier and tighter by it on
+        the others: a request's tokens count or not, so a step time that jitters across
+        the bound moves a score by the request's whole share, which the margin on scores
+        alone does not absorb."""
         parts: dict[int, tuple[float, float]] = {}
         chosen: dict[int, np.ndarray | None] = {}
         for caps, lengths, drafts in options:
@@ -578,15 +619,18 @@ class GoodputPolicy:
             needed = 1.0 if caps is None else 1 + self.config.switch_margin
             for k, length, depth in zip(ks, lengths, drafts, strict=True):
                 cost = seconds.get(self.draft_fill * depth)
-                if cost is None or (k in parts and
-                                    length / cost <= needed * parts[k][0] / parts[k][1]):
+                if cost is None:
+                    continue
+                if bound_s is not None:  # a batch mean without requests: all or none
+                    band = 1 + self.config.switch_margin
+                    bound = bound_s * band if k == current else bound_s / band
+                    length *= float(cost <= bound * length) if requests is None else \
+                        requests.share_within(k, caps, cost, bound)
+                if k in parts and length / cost <= needed * parts[k][0] / parts[k][1]:
                     continue
                 parts[k] = (length, cost)
                 chosen[k] = caps
-        ids = signals.requests.request_ids
-        return parts, {k: {} if caps is None else {
-            request_id: cap for request_id, cap in zip(ids, caps.tolist(), strict=True)
-            if cap < k} for k, caps in chosen.items()}
+        return parts, chosen
 
     @property
     def draft_share(self) -> float:
@@ -717,8 +761,9 @@ class GoodputPolicy:
             return None
         hint = _extended(signals.class_prior, self.acceptance_width)
         # `draft_share` describes the traffic before K=0 and may be stale: the hint alone.
-        parts, caps_by_k = self._evaluate(signals, hint, share=1.0, ks=tuple(deeper))
-        hinted = _scores(parts, self._batch(signals))
+        parts, caps_by_k = self._evaluate(signals, hint, share=1.0)
+        hinted = {k: score for k, score in _scores(parts, self._batch(signals)).items()
+                  if k in deeper}
         best = max(hinted, key=lambda k: (hinted[k], -k), default=None)  # None: no costs yet
         if best is None or hinted[best] <= scores[0] * (1 + self.config.switch_margin):
             return None

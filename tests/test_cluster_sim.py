@@ -15,6 +15,7 @@ from bench.cluster_sim import (
     OracleK,
     Run,
     gathering_bound,
+    policy_for,
     run_one,
     simulate,
     summarise,
@@ -87,6 +88,16 @@ def test_a_larger_switch_margin_switches_less(arrivals):
 
     default, wide = switches(None), switches(1.0)
     assert default > 0 and wide < default
+
+
+def test_the_goodput_modes_can_take_the_slos_bound_on_time_per_token(arrivals):
+    assert "tpot_slo_ms" not in policy_for("goodput_local")
+    assert policy_for("goodput_routed", tpot_bound_s=0.02)["tpot_slo_ms"] == pytest.approx(20)
+    assert "tpot_slo_ms" not in policy_for("ema", tpot_bound_s=0.02)
+    summary = summarise(asyncio.run(simulate("goodput_local", REPLICAS, arrivals, DURATION_S,
+                                             2.0, 0.02, seed=1, tpot_bound=True)), REPLICAS)
+    # A request over the TPOT bound misses the SLO; others miss it by their first token.
+    assert 0 <= summary["tpot_missed"] <= 1 - summary["slo_attainment"]
 
 
 def test_workload_is_bursty_and_skewed(arrivals):

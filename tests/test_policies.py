@@ -352,6 +352,38 @@ def test_goodput_caps_the_failing_requests_drafts_and_goes_deep_for_the_copies()
     assert copies.k == 15 and copies.draft_caps == {}
 
 
+def test_goodput_with_a_tpot_bound_counts_only_the_tokens_within_it():
+    """`tpot_slo_ms`. The capped mixed batch above goes to K=15: the copy requests' tokens
+    pay for steps of 27 ms, in which each sampled request gains about one token. With a 25 ms
+    bound on time per output token those steps lose the 24 sampled requests, and K=1 (25 ms
+    steps) keeps them all. At 20 ms no tier keeps a sampled request within the bound, so
+    none is given up for them: K=15 again. At 1 ms no tier keeps any request within it, and
+    every token counts again."""
+    copy_class = tuple(0.97 ** (k + 1) for k in range(15))
+    sampled_class = tuple(0.03 * 0.2 ** k for k in range(15))
+
+    def decide(tpot_slo_ms: float | None, current: int = 3, margin: float = 0.0) -> Decision:
+        policy = goodput(profile=MEASURED, tpot_slo_ms=tpot_slo_ms, switch_margin=margin)
+        signals = window(current, 1.0, batch=32, proposing=0.25)
+        return policy.decide(Signals(**{
+            **signals.__dict__, "requests": mixed_batch(copy=8, sampled=24, k=current),
+            "request_priors": (copy_class,) * 8 + (sampled_class,) * 24,
+            "draft_caps_apply": True}))
+
+    unbounded = decide(None)
+    assert unbounded.k == 15 and unbounded.inputs["step_ms_best"] > 25
+    within = decide(25)
+    assert within.k == 1 and within.inputs["step_ms_best"] <= 25
+    assert decide(20).k == 15
+    tight = decide(1)
+    assert (tight.k, tight.inputs["score_best"]) == (15, unbounded.inputs["score_best"])
+    # With a 5% switch margin the bound is 5% looser on the tier the replica runs and 5%
+    # tighter on the others: at 24 ms, K=1's 25 ms steps keep the sampled requests for a
+    # replica already on K=1, not for one on K=3.
+    assert decide(24, current=1, margin=0.05).k == 1
+    assert decide(24, current=3, margin=0.05).k == 15
+
+
 def test_a_capped_request_that_lands_every_draft_gets_twice_as_many():
     """A request capped at one draft by a stale guess shows what lies past its cap only by
     drafting past it: each step that lands all its drafts doubles its cap."""
