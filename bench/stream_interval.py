@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -74,7 +75,7 @@ def cpu_seconds() -> float:
     """The machine's busy CPU seconds so far (user, nice, system, irq, softirq)."""
     fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[:7])
-    return (user + nice + system + irq + softirq) / 100  # USER_HZ is 100 on Linux
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 async def run_load(url: str, concurrency: int, requests: int, max_tokens: int

@@ -348,10 +348,8 @@ class BatchAcceptance:
         K for all) and keeps its share w_r of the tokens, so the batch makes
         1 / sum_r (w_r / L_r) tokens per sequence-step and holds each request in a share of
         its slots proportional to w_r / L_r."""
-        rows = self.tokens.shape[0]
-        kmax = self.reach.shape[0]
-        depths = np.minimum(np.array(ks)[:, None], kmax if caps is None else caps[None, :])
-        slots = self.tokens / self.lengths[depths, np.arange(rows)]  # [ks, rows]
+        depths = self._depths(np.array(ks)[:, None], caps)  # [ks, rows]
+        slots = self.tokens / self.lengths[depths, np.arange(self.tokens.shape[0])]
         per_slot = slots.sum(axis=1)
         return self.tokens.sum() / per_slot, (slots * depths).sum(axis=1) / per_slot
 
@@ -360,10 +358,14 @@ class BatchAcceptance:
         """The share of the batch's tokens (at K, in its steady state) made by requests
         whose seconds per token, `step_s` over the tokens they gain a step drafting
         min(K, cap), are within `bound_s`."""
-        rows = self.tokens.shape[0]
-        depths = np.minimum(k, self.reach.shape[0] if caps is None else caps)
-        within = step_s <= bound_s * self.lengths[depths, np.arange(rows)]
+        depths = self._depths(np.array(k), caps)
+        within = step_s <= bound_s * self.lengths[depths, np.arange(self.tokens.shape[0])]
         return float(self.tokens[within].sum() / self.tokens.sum())
+
+    def _depths(self, ks: np.ndarray, caps: np.ndarray | None) -> np.ndarray:
+        """Drafts each request verifies a step at K: min(K, its cap), K for all without
+        caps (`ks` broadcast against the rows)."""
+        return np.minimum(ks, self.reach.shape[0] if caps is None else caps)
 
     def caps(self, threshold: float, least: int) -> np.ndarray:
         """Per request, the draft positions that land with at least `threshold`, never fewer
@@ -587,10 +589,10 @@ class GoodputPolicy:
         # A tier costs what the drafts it would verify cost (see `draft_fill`).
         depths = {self.draft_fill * d for _, _, drafts in options for d in drafts}
         seconds = self.costs.predict_row(batch, tuple(depths))
-        bound = None if self.config.tpot_slo_ms is None else self.config.tpot_slo_ms / 1000
-        parts, chosen = self._best_options(options, ks, seconds, requests, bound,
+        bound_s = None if self.config.tpot_slo_ms is None else self.config.tpot_slo_ms / 1000
+        parts, chosen = self._best_options(options, ks, seconds, requests, bound_s,
                                            signals.current_k)
-        if bound is not None and not any(length for length, _ in parts.values()):
+        if bound_s is not None and parts and not any(length for length, _ in parts.values()):
             # No tier keeps any request within the bound: the most tokens drain the queue.
             parts, chosen = self._best_options(options, ks, seconds, requests, None,
                                                signals.current_k)
@@ -613,6 +615,7 @@ class GoodputPolicy:
         alone does not absorb."""
         parts: dict[int, tuple[float, float]] = {}
         chosen: dict[int, np.ndarray | None] = {}
+        band = 1 + self.config.switch_margin
         for caps, lengths, drafts in options:
             # Caps must earn the switch margin over the looser choice before them: a batch of
             # one class differs request to request only by the noise of 30-step windows.
@@ -621,11 +624,11 @@ class GoodputPolicy:
                 cost = seconds.get(self.draft_fill * depth)
                 if cost is None:
                     continue
-                if bound_s is not None:  # a batch mean without requests: all or none
-                    band = 1 + self.config.switch_margin
-                    bound = bound_s * band if k == current else bound_s / band
-                    length *= float(cost <= bound * length) if requests is None else \
-                        requests.share_within(k, caps, cost, bound)
+                if bound_s is not None:
+                    banded_s = bound_s * band if k == current else bound_s / band
+                    # A batch mean without per-request outcomes: all of its tokens or none.
+                    length *= float(cost <= banded_s * length) if requests is None else \
+                        requests.share_within(k, caps, cost, banded_s)
                 if k in parts and length / cost <= needed * parts[k][0] / parts[k][1]:
                     continue
                 parts[k] = (length, cost)
@@ -687,7 +690,7 @@ class GoodputPolicy:
         if self._steps_on_tier < self.config.min_dwell_steps:
             return Decision(current, "dwell", inputs, caps_by_k.get(current))
         deeper = [k for k in self.candidates if k > current]
-        expected = self._tier_the_classes_expect(signals, scores, deeper) \
+        expected = self._tier_the_classes_expect(signals, deeper) \
             if current == 0 and deeper else None
         if expected is not None:
             self._steps_on_tier = 0
@@ -745,26 +748,28 @@ class GoodputPolicy:
         return signals.class_prior_fresh >= tier and \
             self.acceptance.uses_prior(signals.class_prior)
 
-    def _tier_the_classes_expect(self, signals: Signals, scores: dict[int, float],
-                                 deeper: list[int]) -> tuple[int, dict[str, int]] | None:
+    def _tier_the_classes_expect(self, signals: Signals, deeper: list[int]
+                                 ) -> tuple[int, dict[str, int]] | None:
         """At K=0: the tier that would win if drafts landed as these request classes' did
         before, when one would beat K=0 by the margin, with the draft caps the hint gives
-        there. Straight there, not through the
-        smallest tier: a high phase that starts while the replica runs K=0 lasts a few
-        seconds, and each tier on the way costs a dwell (half a second at batch 8 on this
-        machine). Checked only after a few dwells without drafting, so a hint that turns out
-        wrong (the classes' statistics then fall) costs one dwell now and then. Scored as
-        any decision is (each request by its own class where known, the batch's steady
-        state), so a tier the hint picks is one the next decision keeps."""
+        there. Straight there, not through the smallest tier: a high phase that starts while
+        the replica runs K=0 lasts a few seconds, and each tier on the way costs a dwell
+        (half a second at batch 8 on this machine). Checked only after a few dwells without
+        drafting, so a hint that turns out wrong (the classes' statistics then fall) costs
+        one dwell now and then. Scored as any decision is (each request by its own class
+        where known, the batch's steady state), so a tier the hint picks is one the next
+        decision keeps."""
         if not signals.class_prior or self._steps - self._last_drafted[0] < 4 * \
                 self.config.min_dwell_steps:
             return None
         hint = _extended(signals.class_prior, self.acceptance_width)
         # `draft_share` describes the traffic before K=0 and may be stale: the hint alone.
         parts, caps_by_k = self._evaluate(signals, hint, share=1.0)
-        hinted = {k: score for k, score in _scores(parts, self._batch(signals)).items()
-                  if k in deeper}
-        best = max(hinted, key=lambda k: (hinted[k], -k), default=None)  # None: no costs yet
-        if best is None or hinted[best] <= scores[0] * (1 + self.config.switch_margin):
+        # Against K=0 of the same evaluation: with `tpot_slo_ms` both then count the same
+        # tokens (the fallback to every token may hold in one evaluation and not another).
+        hinted = _scores(parts, self._batch(signals))
+        best = max(deeper, key=lambda k: (hinted.get(k, -1.0), -k))
+        if best not in hinted or 0 not in hinted or \
+                hinted[best] <= hinted[0] * (1 + self.config.switch_margin):
             return None
         return best, caps_by_k[best]

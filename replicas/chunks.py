@@ -16,12 +16,14 @@ to stream reads only the whole text, so the interval is unbounded and it gets tw
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 Chunk = dict[str, Any]
 _END = object()  # what the reader queues after the last chunk
+_TICK = object()  # the interval elapsed: send what arrived
 
 
 def merge_chunks(chunks: list[Chunk]) -> Chunk:
@@ -38,33 +40,45 @@ def merge_chunks(chunks: list[Chunk]) -> Chunk:
             "logprobs": logprobs or None}
 
 
-async def coalesce(chunks: AsyncIterator[Chunk], interval_s: float) -> AsyncIterator[Chunk]:
+async def coalesce(chunks: AsyncGenerator[Chunk, None], interval_s: float
+                   ) -> AsyncGenerator[Chunk, None]:
     """The first chunk as it comes; then, at most once per `interval_s` (from the last send),
     every chunk that arrived since, merged. The last ones go as soon as the stream ends, not
-    at the next tick. An interval of 0 passes every chunk through as it comes; `math.inf`
-    sends the rest as one chunk at the end.
+    at the next tick; an error goes after what arrived before it. An interval of 0 passes
+    every chunk through as it comes; `math.inf` sends the rest as one chunk at the end.
 
     A reader task drains `chunks` while this generator waits for its next send, so the
     engine's outputs never wait on the interval. Closing this generator (the caller went
-    away) cancels the reader, and with it the engine's request.
+    away) stops the reader and closes `chunks`, and with it the engine's request.
     """
-    iterator = aiter(chunks)
     try:
-        yield await anext(iterator)
-    except StopAsyncIteration:
-        return
-    if interval_s <= 0:
-        async for chunk in iterator:
-            yield chunk
-        return
+        try:
+            yield await anext(chunks)
+        except StopAsyncIteration:
+            return
+        if interval_s <= 0:
+            async for chunk in chunks:
+                yield chunk
+            return
+        async with contextlib.aclosing(_merged_per_interval(chunks, interval_s)) as merged:
+            async for chunk in merged:
+                yield chunk
+    finally:
+        await chunks.aclose()
+
+
+async def _merged_per_interval(chunks: AsyncGenerator[Chunk, None], interval_s: float
+                               ) -> AsyncGenerator[Chunk, None]:
+    """`coalesce` after the first chunk, for an interval above 0."""
     arrived: asyncio.Queue[Any] = asyncio.Queue()
 
     async def read() -> None:
         try:
-            async for chunk in iterator:
+            async for chunk in chunks:
                 arrived.put_nowait(chunk)
-        except Exception as error:  # raised to the consumer, after what arrived before it
+        except BaseException as error:  # the consumer raises it (a cancel of ours: unread)
             arrived.put_nowait(error)
+            raise
         arrived.put_nowait(_END)
 
     reader = asyncio.create_task(read())
@@ -77,16 +91,17 @@ async def coalesce(chunks: AsyncIterator[Chunk], interval_s: float) -> AsyncIter
                 async with asyncio.timeout_at(due):
                     item = await arrived.get()
             except TimeoutError:
-                item = None  # the tick: send what arrived
-            if item is None or item is _END:
+                item = _TICK
+            if item is _TICK or item is _END or isinstance(item, BaseException):
                 if pending:
+                    sent_at = loop.time()
                     yield merge_chunks(pending)
-                    pending, sent_at, due = [], loop.time(), None
+                    pending, due = [], None
                 if item is _END:
                     return
+                if isinstance(item, BaseException):
+                    raise item
                 continue
-            if isinstance(item, Exception):
-                raise item
             if not pending and not math.isinf(interval_s):
                 due = sent_at + interval_s  # past already after a quiet spell: goes now
             pending.append(item)

@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from ray import serve
@@ -109,6 +109,7 @@ class EngineReplica:
         before = self.engine.counters()
         prompt_tokens = completion_tokens = 0
         error: BaseException | None = None
+        finished = False
         try:
             prompt = payload.get("prompt")
             if payload.get("messages") is not None:
@@ -127,16 +128,19 @@ class EngineReplica:
                 async for chunk in chunks:
                     prompt_tokens, completion_tokens = chunk["prompt_tokens"], \
                         chunk["completion_tokens"]
+                    finished = bool(chunk["finish_reason"])
                     yield chunk
         except EngineInputError as bad_input:
             error = bad_input
             yield {"error": {"message": str(bad_input), "type": "invalid_request_error",
                              "code": 400}}
-        except asyncio.CancelledError as cancelled:  # client went away: free the engine slot
-            error = cancelled
-            await self.engine.abort(payload["request_id"])
+        except BaseException as failed:  # the client went away (cancelled, or closed)
+            error = failed
             raise
         finally:
+            if not finished:  # free the engine slot (a no-op for a request it never took)
+                with contextlib.suppress(Exception):
+                    await self.engine.abort(payload["request_id"])
             self.ongoing -= 1
             self._ongoing_by_router[source] -= 1
             if not self._ongoing_by_router[source]:
@@ -151,7 +155,7 @@ class EngineReplica:
                 accepted_tokens=after.accepted_tokens - before.accepted_tokens,
                 verify_steps=after.drafts - before.drafts)
 
-    async def _chunks(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+    async def _chunks(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
         async for chunk in self.engine.generate(request):
             yield {"text": chunk.text, "token_ids": list(chunk.token_ids),
                    "prompt_tokens": chunk.prompt_tokens,
