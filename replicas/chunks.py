@@ -60,6 +60,18 @@ async def coalesce(chunks: AsyncGenerator[Chunk, None], interval_s: float
             async for chunk in chunks:
                 yield chunk
             return
+        if math.isinf(interval_s):  # one chunk at the end: no reader task to wake per step
+            rest: list[Chunk] = []
+            try:
+                async for chunk in chunks:
+                    rest.append(chunk)
+            except Exception:  # what arrived goes first (a cancel just propagates)
+                if rest:
+                    yield merge_chunks(rest)
+                raise
+            if rest:
+                yield merge_chunks(rest)
+            return
         async with contextlib.aclosing(_merged_per_interval(chunks, interval_s)) as merged:
             async for chunk in merged:
                 yield chunk
@@ -69,7 +81,7 @@ async def coalesce(chunks: AsyncGenerator[Chunk, None], interval_s: float
 
 async def _merged_per_interval(chunks: AsyncGenerator[Chunk, None], interval_s: float
                                ) -> AsyncGenerator[Chunk, None]:
-    """`coalesce` after the first chunk, for an interval above 0."""
+    """`coalesce` after the first chunk, for a finite interval above 0."""
     arrived: asyncio.Queue[Any] = asyncio.Queue()
 
     async def read() -> None:
@@ -84,7 +96,7 @@ async def _merged_per_interval(chunks: AsyncGenerator[Chunk, None], interval_s: 
     reader = asyncio.create_task(read())
     loop = asyncio.get_running_loop()
     pending: list[Chunk] = []
-    sent_at, due = loop.time(), None  # when the pending chunks go (None: at the end)
+    sent_at, due = loop.time(), None  # when the pending chunks go (None: none pending)
     try:
         while True:
             try:
@@ -102,7 +114,7 @@ async def _merged_per_interval(chunks: AsyncGenerator[Chunk, None], interval_s: 
                 if isinstance(item, BaseException):
                     raise item
                 continue
-            if not pending and not math.isinf(interval_s):
+            if not pending:
                 due = sent_at + interval_s  # past already after a quiet spell: goes now
             pending.append(item)
     finally:

@@ -86,14 +86,15 @@ def test_chunks_within_an_interval_go_as_one_and_a_later_one_goes_on_its_own():
     assert run(consume()) == [STEPS[0], merge_chunks(STEPS[1:3]), STEPS[3]]
 
 
-def test_an_error_after_the_first_chunk_reaches_the_caller_after_what_came_before_it():
+@pytest.mark.parametrize("interval", [0.0, 0.05, math.inf])
+def test_an_error_after_the_first_chunk_reaches_the_caller_after_what_came_before_it(interval):
     async def failing() -> AsyncIterator[Chunk]:
         yield STEPS[0]
         yield STEPS[1]
         raise RuntimeError("engine died")
 
     async def consume(received: list[Chunk]) -> None:
-        async for item in coalesce(failing(), 0.05):
+        async for item in coalesce(failing(), interval):
             received.append(item)
 
     received: list[Chunk] = []
