@@ -619,7 +619,7 @@ class GoodputPolicy:
         for caps, lengths, drafts in options:
             # Caps must earn the switch margin over the looser choice before them: a batch of
             # one class differs request to request only by the noise of 30-step windows.
-            needed = 1.0 if caps is None else 1 + self.config.switch_margin
+            needed = 1.0 if caps is None else band
             for k, length, depth in zip(ks, lengths, drafts, strict=True):
                 cost = seconds.get(self.draft_fill * depth)
                 if cost is None:

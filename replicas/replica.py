@@ -134,7 +134,7 @@ class EngineReplica:
             error = bad_input
             yield {"error": {"message": str(bad_input), "type": "invalid_request_error",
                              "code": 400}}
-        except BaseException as failed:  # the client went away (cancelled, or closed)
+        except BaseException as failed:  # the engine failed, or the client went away
             error = failed
             raise
         finally:
