@@ -137,12 +137,14 @@ class Signals:
     """Sequence-steps run at K > 0, with or without a proposal: prompt-lookup proposes nothing
     where the context has no match, so `drafts` can be far fewer."""
     draft_tokens: int = 0
-    draft_slots: int = 0
-    """Draft tokens the steps could have verified: sequence-steps times the K of their step.
-    `draft_tokens / draft_slots` is how full the drafter kept the tiers."""
     accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()
     drafted_per_pos: tuple[int, ...] = ()
+    slots_per_pos: tuple[int, ...] = ()
+    """Per draft position, the sequence-steps that could have drafted it (their step's K
+    was deeper, and no cap closed it). `drafted_per_pos[k] / slots_per_pos[k]` is how
+    full the drafter kept position k: prompt lookup fills the first positions of a copy
+    and fewer of the deep ones, and few of any on text without repeats."""
     step_costs: tuple[StepCost, ...] = ()
     requests: RequestWindows = field(default_factory=RequestWindows, compare=False)
     cluster: ClusterView | None = None
@@ -163,6 +165,11 @@ class Signals:
     draft_caps_apply: bool = False
     """Whether the engine applies per-request draft caps (`Decision.draft_caps`)."""
     extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def draft_slots(self) -> int:
+        """Draft tokens the steps could have verified."""
+        return sum(self.slots_per_pos)
 
     @property
     def local_batch(self) -> int:

@@ -27,10 +27,11 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
                draft_caps_apply: bool = False) -> Signals:
     """Sum a window of step records into Signals; per-position counts padded to max K."""
     width = max(candidates)
-    accepted, drafted = [0] * width, [0] * width
+    accepted, drafted, slots = [0] * width, [0] * width, [0] * width
     for step in steps:
         add_per_position(accepted, step.accepted_per_pos)
         add_per_position(drafted, step.drafted_per_pos)
+        add_per_position(slots, step.slots_per_pos)
     last = steps[-1] if steps else None
     class_prior = class_prior or ClassPrior()
     return Signals(
@@ -38,9 +39,9 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         running=last.running if last else 0, waiting=last.waiting if last else 0,
         drafts=sum(s.drafts for s in steps), draft_tokens=sum(s.draft_tokens for s in steps),
         drafting_sequence_steps=sum(s.running for s in steps if s.k > 0),
-        draft_slots=sum(s.draft_slots for s in steps),
         accepted_tokens=sum(s.accepted_tokens for s in steps),
         accepted_per_pos=tuple(accepted), drafted_per_pos=tuple(drafted),
+        slots_per_pos=tuple(slots),
         # A step costs by the drafts it verified, not by its tier: prompt lookup on sampled
         # text leaves a deep tier's steps as cheap as K=0's. Steps of unknown length, and
         # steps that also prefilled prompts, are left out: a phase's burst of new prompts

@@ -13,6 +13,7 @@ from policies.batch_table import lookup
 from policies.ema import EmaConfig, EmaPolicy
 from policies.goodput import (
     AcceptanceWindow,
+    DraftFill,
     GoodputConfig,
     GoodputPolicy,
     StepCostModel,
@@ -45,7 +46,7 @@ def window(k: int, acceptance: float, batch: int = 4, steps: int = 4,
     return Signals(candidates=CANDIDATES, current_k=k, steps=steps, running=batch, waiting=0,
                    drafts=drafts, draft_tokens=drafts * k, accepted_tokens=sum(accepted),
                    drafting_sequence_steps=batch * steps if k else 0,
-                   draft_slots=batch * steps * k,
+                   slots_per_pos=tuple(batch * steps if pos < k else 0 for pos in range(15)),
                    accepted_per_pos=accepted, drafted_per_pos=drafted, cluster=cluster)
 
 
@@ -479,15 +480,44 @@ def test_goodput_prices_a_tier_by_the_drafts_it_verifies():
     observed = window(15, 0.9, batch=32, proposing=0.1)
     sparse.decide(observed)
     full = goodput(profile=MEASURED)  # the same outcomes, every slot filled (a draft model)
-    full.decide(Signals(**{**observed.__dict__, "draft_slots": observed.draft_tokens}))
-    assert sparse.draft_fill == pytest.approx(0.1, abs=0.01) and full.draft_fill == 1.0
+    full.decide(Signals(**{**observed.__dict__, "slots_per_pos": observed.drafted_per_pos}))
+    assert sparse.fill.share == pytest.approx(0.1, abs=0.01) and full.fill.share == 1.0
     rates = sparse.acceptance.rates(())
     priced_sparse, priced_full = sparse.scores(observed, rates), full.scores(observed, rates)
     assert priced_sparse[0] == priced_full[0]
     assert priced_sparse[15] > priced_sparse[0] > priced_full[15]
-    depth = 15 * sparse.draft_fill
+    depth = sparse.fill.verified(15)
+    assert depth == pytest.approx(15 * sparse.fill.share)
     assert priced_sparse[15] / priced_full[15] == pytest.approx(
         sparse.costs.predict(32, 15) / sparse.costs.predict(32, depth))
+
+
+def test_draft_fill_prices_each_position_by_how_full_the_drafter_kept_it():
+    """Prompt lookup on a copy fills the first positions and fewer deep ones (a match runs
+    out). K=7 verifies what the first 7 positions were filled with, not 7 times the share
+    over all 15: that priced K=7 a quarter below its drafts, and it won by looking cheap."""
+    fill = DraftFill(15, decay=0.7)
+    assert fill.verified(7) == 7.0 and fill.share == 1.0, "unmeasured: every slot full"
+    shares = [1 - k / 20 for k in range(15)]
+    fill.update([round(100 * share) for share in shares], [100] * 15)
+    assert fill.verified(7) == pytest.approx(sum(shares[:7]))
+    assert fill.verified(15) == pytest.approx(sum(shares))
+    assert fill.verified(7) > 1.2 * 7 * fill.share
+    assert fill.verified(0.5) == pytest.approx(0.5 * shares[0])
+    shallow = DraftFill(15, decay=0.7)
+    shallow.update([96] + [0] * 14, [100] + [0] * 14)  # K=1: only position 0 measured
+    assert shallow.verified(15) == pytest.approx(15 * 0.96), "deeper ones continue it"
+
+
+def test_draft_fill_forgets_deep_positions_the_tiers_no_longer_reach():
+    """Sparse deep positions measured at K=15 on sampled text, then a copy at K=1: the deep
+    positions fade and continue the fresh first position instead of keeping the old
+    traffic's emptiness."""
+    fill = DraftFill(15, decay=0.7)
+    fill.update([7] * 15, [100] * 15)
+    for _ in range(20):
+        fill.update([15] + [0] * 14, [16] + [0] * 14)
+    assert fill.verified(15) == pytest.approx(15 * 15 / 16, rel=0.02)
 
 
 def test_goodput_prices_the_batch_the_engine_can_run():

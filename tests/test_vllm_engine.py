@@ -298,7 +298,8 @@ async def test_draft_caps_cut_one_requests_drafts_and_keep_its_greedy_output(
     assert late and all(drafted == 1 and accepted <= 1 for accepted, drafted in late)
     assert {drafted for _, drafted in windows[uncapped.request_id][-4:]} == {7}
     steps = [s for s in ngram_engine.drain_steps() if s.running == 2 and s.drafts == 2]
-    assert any(s.draft_tokens == 8 and s.capped_slots == 6 for s in steps)
+    # K=7 with one request capped at 1: position 0 open to both, positions 1-6 to one.
+    assert any(s.draft_tokens == 8 and s.slots_per_pos == (2,) + (1,) * 6 for s in steps)
 
 
 async def test_prompt_too_long_is_an_input_error(ngram_engine):

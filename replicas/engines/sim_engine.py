@@ -279,7 +279,8 @@ class SimulatedEngine:
             drafted_pos[:k] = reaching(np.bincount(ran_depth, minlength=k + 1)).tolist()
         record = StepRecord(running=size, waiting=len(self._waiting), k=k, wall_s=seconds,
                             drafts=drafted_pos[0] if k else 0, draft_tokens=draft_tokens,
-                            capped_slots=size * k - draft_tokens,
+                            # It drafts every open slot: the ones it left are capped.
+                            capped_per_pos=tuple(size - drafted for drafted in drafted_pos[:k]),
                             accepted_tokens=int(ran.sum()), accepted_per_pos=tuple(accepted_pos),
                             drafted_per_pos=tuple(drafted_pos), generated_tokens=int(tokens.sum()))
         self._records.append(record)

@@ -185,11 +185,12 @@ class _StepLog:
             accepted = spec_stats.num_accepted_tokens
             accepted_pos = _padded(spec_stats.num_accepted_tokens_per_pos, self.kmax)
             drafted_pos = _padded(spec_stats.num_draft_tokens_per_pos, self.kmax)
-        capped = sum(max(0, self.k - cap) for request_id, cap in self.draft_caps.items()
-                     if request_id in self.windows)
+        caps = [cap for request_id, cap in self.draft_caps.items()
+                if request_id in self.windows and cap < self.k]
+        capped_pos = tuple(min(running, sum(cap <= k for cap in caps)) for k in range(self.k))
         step = StepRecord(running=running, waiting=waiting, k=self.k, wall_s=wall,
                           drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
-                          capped_slots=min(capped, running * self.k),
+                          capped_per_pos=capped_pos,
                           accepted_per_pos=accepted_pos, drafted_per_pos=drafted_pos,
                           generated_tokens=generated, prefill_tokens=prefilled)
         self.records.append(step)
