@@ -126,8 +126,10 @@ def decision_time_us(preset: str, mode: str, repeats: int = 2000) -> float:
                           drafted=(3,) * REQUEST_WINDOW) for i in range(8)])
     signals = Signals(candidates=CANDIDATES, current_k=3, steps=4, running=8, waiting=0,
                       drafts=32, draft_tokens=96, accepted_tokens=60,
+                      drafting_sequence_steps=32,
                       accepted_per_pos=(28, 20, 12) + (0,) * 12,
-                      drafted_per_pos=(32, 32, 32) + (0,) * 12, requests=requests)
+                      drafted_per_pos=(32, 32, 32) + (0,) * 12,
+                      slots_per_pos=(32, 32, 32) + (0,) * 12, requests=requests)
     times = []
     for _ in range(repeats):
         started = time.perf_counter()

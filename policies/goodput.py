@@ -271,11 +271,13 @@ class DraftFill:
     deep ones (vLLM-CPU, batch 8: 0.96 of K=1's slots, 0.60 of K=15's), and on text without
     repeats few of any (0.07-0.11). One share measured at K=15 priced K=7 a quarter below
     the drafts it verifies, and a replica left K=15 for K=7 and came back within a dwell.
-    A position without enough open slots measured (deeper than the tiers run lately; they
-    fade as every position's counts decay) continues the one before it, and the first
-    position counts as full until measured (a draft model fills every slot)."""
+    Each position's rate is shrunk towards the one before it by `PRIOR_SLOTS` open slots
+    (the first towards full: a draft model fills every slot), so a position measured on few
+    slots, or not lately (deeper than the tiers run now; every position's counts decay),
+    moves smoothly to continue the positions before it instead of keeping an old traffic's
+    rate until its counts run out."""
 
-    MIN_SLOTS = 1.0
+    PRIOR_SLOTS = 4.0
 
     def __init__(self, width: int, decay: float):
         self.decay = decay
@@ -288,16 +290,19 @@ class DraftFill:
         width = len(self.slots)
         self.drafted = self.drafted * self.decay + _padded(drafted, width)
         self.slots = self.slots * self.decay + _padded(slots, width)
-        measured = self.slots >= self.MIN_SLOTS
-        rate = np.minimum(1.0, self.drafted / np.where(measured, self.slots, 1.0))
-        # Each position takes the rate of the deepest measured position at or before it.
-        last = np.maximum.accumulate(np.where(measured, np.arange(width), -1))
-        self._verified[1:] = np.cumsum(np.where(last >= 0, rate[last], 1.0))
+        rate, rates = 1.0, []
+        for drafted_k, slots_k in zip(self.drafted.tolist(), self.slots.tolist(), strict=True):
+            rate = min(1.0, (drafted_k + self.PRIOR_SLOTS * rate) / (slots_k + self.PRIOR_SLOTS))
+            rates.append(rate)
+        self._verified[1:] = np.cumsum(rates)
 
     def verified(self, depth: float) -> float:
-        """Drafts a sequence verifies a step when it may draft `depth` positions (fractional
-        for a mean over requests with different caps)."""
+        """Drafts a sequence verifies a step when it may draft `depth` positions."""
         return float(np.interp(depth, self._grid, self._verified))
+
+    def verified_each(self, depths: np.ndarray) -> np.ndarray:
+        """`verified` of each depth in an array."""
+        return np.interp(depths, self._grid, self._verified)
 
     @property
     def share(self) -> float:
@@ -393,17 +398,22 @@ class BatchAcceptance:
     """[rows]: drafts the request landed in its last step when it landed all of them (0
     when it missed one, or had none)."""
 
-    def steady(self, ks: tuple[int, ...], caps: np.ndarray | None = None
+    def steady(self, ks: tuple[int, ...], caps: np.ndarray | None = None,
+               verified: Callable[[np.ndarray], np.ndarray] | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
         """Per K in `ks`, once the batch's mix has settled there: (tokens per sequence-step,
-        drafts per sequence). Each request drafts min(K, its cap) (`caps`, one per row; None:
-        K for all) and keeps its share w_r of the tokens, so the batch makes
+        drafts verified per sequence). Each request drafts min(K, its cap) (`caps`, one per
+        row; None: K for all) positions, of which the drafter fills `verified(depth)` (all
+        without it), and keeps its share w_r of the tokens, so the batch makes
         1 / sum_r (w_r / L_r) tokens per sequence-step and holds each request in a share of
-        its slots proportional to w_r / L_r."""
+        its slots proportional to w_r / L_r. Drafts are mapped per request, then averaged:
+        the drafter fills fewer deep positions, so the mean depth's drafts would overcharge
+        a batch that caps some requests shallow and lets others draft deep."""
         depths = self._depths(np.array(ks)[:, None], caps)  # [ks, rows]
         slots = self.tokens / self.lengths[depths, np.arange(self.tokens.shape[0])]
         per_slot = slots.sum(axis=1)
-        return self.tokens.sum() / per_slot, (slots * depths).sum(axis=1) / per_slot
+        drafts = depths if verified is None else verified(depths)
+        return self.tokens.sum() / per_slot, (slots * drafts).sum(axis=1) / per_slot
 
     def share_within(self, k: int, caps: np.ndarray | None, step_s: float,
                      bound_s: float) -> float:
@@ -629,17 +639,18 @@ class GoodputPolicy:
         requests = batch_acceptance(signals.requests, landing, self.config.prior_strength,
                                     signals.request_priors)
         if requests is None:  # no per-request outcomes: the batch's mean as it is now
-            options = [(None, [1 + sum(landing[:k]) for k in ks], [float(k) for k in ks])]
+            options = [(None, [1 + sum(landing[:k]) for k in ks],
+                        [self.fill.verified(k) for k in ks])]
         else:
             thresholds = CAP_THRESHOLDS if self.config.draft_caps and \
                 signals.draft_caps_apply else ()
             options = []
             for caps in (None, *(requests.caps(t, self.config.min_draft_cap)
                                  for t in thresholds)):
-                per_step, per_sequence = requests.steady(ks, caps)
+                per_step, per_sequence = requests.steady(ks, caps, self.fill.verified_each)
                 options.append((caps, per_step.tolist(), per_sequence.tolist()))
         # A tier costs what the drafts it would verify cost (see `DraftFill`).
-        depths = {self.fill.verified(d) for _, _, drafts in options for d in drafts}
+        depths = {d for _, _, drafts in options for d in drafts}
         seconds = self.costs.predict_row(batch, tuple(depths))
         bound_s = None if self.config.tpot_slo_ms is None else self.config.tpot_slo_ms / 1000
         parts, chosen = self._best_options(options, ks, seconds, requests, bound_s,
@@ -673,7 +684,7 @@ class GoodputPolicy:
             # one class differs request to request only by the noise of 30-step windows.
             needed = 1.0 if caps is None else band
             for k, length, depth in zip(ks, lengths, drafts, strict=True):
-                cost = seconds.get(self.fill.verified(depth))
+                cost = seconds.get(depth)
                 if cost is None:
                     continue
                 if bound_s is not None:
@@ -724,7 +735,9 @@ class GoodputPolicy:
                   "step_ms_current": 1000 * parts[current][1],
                   "step_ms_best": 1000 * parts[best][1],
                   "first_draft": rates[0], "draft_share": self.draft_share,
-                  "draft_fill": self.fill.share}
+                  # The share of the current tier's slots the drafter is expected to fill.
+                  "draft_fill": self.fill.verified(current) / current if current
+                  else self.fill.share}
         if caps_by_k.get(current):  # requests whose drafts are capped below K
             inputs["capped_requests"] = float(len(caps_by_k[current]))
         if signals.class_prior:

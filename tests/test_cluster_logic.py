@@ -185,6 +185,7 @@ def test_fold_keeps_per_position_counts_unbiased_across_k_changes():
     assert signals.accepted_per_pos[:3] == (4, 2, 1)
     assert (signals.running, signals.waiting, signals.steps) == (2, 1, 2)
     assert [c.k for c in signals.step_costs] == [7], "a step of unknown time is left out"
+    assert signals.slots_per_pos[:7] == (4,) + (2,) * 6
     assert signals.draft_slots == 2 * 7 + 2 * 1
 
 

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections import deque
 
 import psutil
 import pytest
@@ -18,7 +19,12 @@ import pytest
 from bench.workloads import COPY_PROMPT, FREE_PROMPTS
 from replicas.engines.base import EngineInputError, GenerationRequest
 from replicas.engines.spec import DEMO_TARGET, REPO_ROOT, EngineSpec
-from replicas.engines.vllm_engine import VllmEngine, cpu_bind_for_rank, start_up_schedule
+from replicas.engines.vllm_engine import (
+    VllmEngine,
+    _StepLog,
+    cpu_bind_for_rank,
+    start_up_schedule,
+)
 from replicas.tier_pool import TierPool
 
 MAX_TOKENS = 48
@@ -300,6 +306,18 @@ async def test_draft_caps_cut_one_requests_drafts_and_keep_its_greedy_output(
     steps = [s for s in ngram_engine.drain_steps() if s.running == 2 and s.drafts == 2]
     # K=7 with one request capped at 1: position 0 open to both, positions 1-6 to one.
     assert any(s.draft_tokens == 8 and s.slots_per_pos == (2,) + (1,) * 6 for s in steps)
+
+
+def test_a_step_record_counts_the_positions_each_cap_closes():
+    """At K=7, caps of 1, 3 and 7 on three running requests (and one for a request that has
+    left): a cap c closes positions c and deeper, and a cap of K closes none."""
+    log = _StepLog(kmax=7)
+    log.windows = {request_id: deque() for request_id in ("a", "b", "c", "d")}
+    log.draft_caps = {"a": 1, "b": 3, "c": 7, "gone": 0}
+    log.record(running=4, waiting=0, spec_stats=None, generated=4, prefilled=0)
+    step = log.records[-1]
+    assert step.capped_per_pos == (0, 1, 1, 2, 2, 2, 2)
+    assert step.slots_per_pos == (4, 3, 3, 2, 2, 2, 2)
 
 
 async def test_prompt_too_long_is_an_input_error(ngram_engine):
