@@ -75,3 +75,27 @@ def test_a_subset_of_phases_runs_in_the_workloads_order() -> None:
     assert [p.concurrency for p in select_phases(phases, ["c64"])] == [64]
     with pytest.raises(SystemExit, match="c32"):
         select_phases(phases, ["c32"])
+
+
+def test_the_suite_ends_processes_the_app_left_running() -> None:
+    """A process that ignores SIGTERM (as an engine core stuck in a step would) is killed;
+    one that already exited is not reported."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from bench.http_suite import end_leftovers
+
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                 "print('ready', flush=True); time.sleep(120)"],
+                                stdout=subprocess.PIPE, text=True)
+    gone = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    processes = [psutil.Process(stubborn.pid), psutil.Process(gone.pid)]
+    assert stubborn.stdout.readline() == "ready\n"
+    gone.communicate()  # it exits once its input closes
+    ended = end_leftovers(processes, grace_s=1)
+    assert ended == [f"{sys.executable} (pid {stubborn.pid})"]
+    assert stubborn.wait(timeout=5) == -9
