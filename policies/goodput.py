@@ -793,9 +793,9 @@ class GoodputPolicy:
         """Where a tier that ties the floor goes: the best-scoring tier between the floor and
         it, when that one beats the floor by `DRAFT_TIE`, else the floor. The switch happens
         anyway, so it takes the better tier without the margin: on sampled text a shallow tier
-        lands a few percent of drafts for a step cost a little above K=0's (over HTTP K=7
-        made 3-4% more tokens/s than K=0 there), a gain below the margin that going straight
-        to the floor gave up for the whole phase. Not deeper: that still needs the margin."""
+        lands a few percent of drafts for a step a little dearer than K=0's (priced 1-3% above
+        K=0 in the low phases of the HTTP transition), a gain below the margin that going
+        straight to the floor gave up for the whole phase. Not deeper: that needs the margin."""
         shallower = [k for k in self.candidates if floor < k < current and k in scores]
         best = max(shallower, key=lambda k: (scores[k], -k), default=floor)
         return best if scores[best] > scores[floor] * (1 + DRAFT_TIE) else floor
