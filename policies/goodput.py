@@ -768,9 +768,8 @@ class GoodputPolicy:
         if floor < current and scores[floor] * (1 + DRAFT_TIE) >= scores[current] and \
                 not self._idle_drafter(signals, current, floor):
             self._steps_on_tier = 0  # drafting must earn its margin; this tier buys nothing
-            target = self._best_below(scores, floor, current)
-            return Decision(target, f"drafts at K={current} buy nothing over K={floor}",
-                            inputs, caps_by_k.get(target))
+            return Decision(floor, f"drafts at K={current} buy nothing over K={floor}",
+                            inputs, caps_by_k.get(floor))
         return Decision(current, "current tier is within the margin of the best", inputs,
                         caps_by_k.get(current))
 
@@ -788,17 +787,6 @@ class GoodputPolicy:
         seconds = self.costs.predict_row(self._batch(signals), (floor_depth, depth))
         return floor_depth in seconds and \
             seconds[depth] <= seconds[floor_depth] * (1 + DRAFT_TIE)
-
-    def _best_below(self, scores: dict[int, float], floor: int, current: int) -> int:
-        """Where a tier that ties the floor goes: the best-scoring tier between the floor and
-        it, when that one beats the floor by `DRAFT_TIE`, else the floor. The switch happens
-        anyway, so it takes the better tier without the margin: on sampled text a shallow tier
-        lands a few percent of drafts for a step a little dearer than K=0's (priced 1-3% above
-        K=0 in the low phases of the HTTP transition), a gain below the margin that going
-        straight to the floor gave up for the whole phase. Not deeper: that needs the margin."""
-        shallower = [k for k in self.candidates if floor < k < current and k in scores]
-        best = max(shallower, key=lambda k: (scores[k], -k), default=floor)
-        return best if scores[best] > scores[floor] * (1 + DRAFT_TIE) else floor
 
     def _floor(self, signals: Signals) -> int:
         """Where a tier whose drafts buy nothing goes without the margin: K=0, when the
