@@ -185,6 +185,7 @@ async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
         "switches": switches,
         "errors": sum(r.errors for r in results),
         "phases": {r.name: r.throughput for r in results},
+        "phase_tokens": {r.name: r.tokens for r in results},
         "phase_accept_len": {r.name: r.accept_len for r in results},
         "timeline": timeline,
         "started_s": mode_started,
@@ -232,6 +233,8 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "accept_len": median_of("accept_len"), "switches": median_of("switches"),
         "errors": sum(r["errors"] for r in runs),
         "phases": {p: statistics.median(r["phases"][p] for r in runs) for p in runs[0]["phases"]},
+        "phase_tokens": {p: statistics.median(r["phase_tokens"][p] for r in runs)
+                         for p in runs[0]["phase_tokens"]},
         "phase_accept_len": {p: statistics.median(r["phase_accept_len"][p] for r in runs)
                              for p in runs[0]["phase_accept_len"]},
         "timeline": [point for r in runs for point in r["timeline"]],
@@ -264,6 +267,7 @@ def report(results: dict[str, Any]) -> str:
             [[m, f"{modes[m]['throughput'] / best_overall:.3f}",
               *(f"{modes[m]['phases'][p] / best[p]:.3f}" for p in phase_names)]
              for m in adaptive]))
+        lines.append(ceiling_table(modes, statics, adaptive, phase_names))
     if statics and adaptive and rounds > 1:
         lines.append(paired_table(modes, statics, adaptive, phase_names))
     comparisons = compare_to_statics({m: r["throughput"] for m, r in modes.items()})
@@ -272,6 +276,28 @@ def report(results: dict[str, Any]) -> str:
             "ADAPTIVE VS STATIC", ["adaptive", "static", "delta", "verdict"],
             [[a, s, f"{d:+.1%}", verdict(d)] for a, s, d in comparisons]))
     return "\n\n".join(lines)
+
+
+def ceiling_table(modes: dict[str, Any], statics: list[str], adaptive: list[str],
+                  phase_names: list[str]) -> str:
+    """The run each phase's best static would make if one mode could be it in every phase:
+    the most a choice among these tiers makes without beating a static inside a phase (and
+    without the moves between them). Each phase counts with that static's tokens and time."""
+    tokens = seconds = 0.0
+    for phase in phase_names:
+        best = max(statics, key=lambda s: modes[s]["phases"][phase])
+        tokens += modes[best]["phase_tokens"][phase]
+        seconds += modes[best]["phase_tokens"][phase] / modes[best]["phases"][phase]
+    ceiling = tokens / seconds
+    best_overall = max(modes[s]["throughput"] for s in statics)
+    return print_table(
+        "THE BEST STATIC OF EACH PHASE, COMBINED (the ceiling of a choice among these tiers "
+        "per phase)",
+        ["run", "tok/s", "/ best static", "/ that ceiling"],
+        [["each phase's best static", f"{ceiling:.1f}", f"{ceiling / best_overall:.3f}",
+          "1.000"],
+         *([m, f"{modes[m]['throughput']:.1f}", f"{modes[m]['throughput'] / best_overall:.3f}",
+            f"{modes[m]['throughput'] / ceiling:.3f}"] for m in adaptive)])
 
 
 def paired_ratios(modes: dict[str, Any], statics: list[str], mode: str,

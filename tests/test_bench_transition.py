@@ -20,6 +20,7 @@ from bench.transition import (
 def _round(throughput: float, low: float, errors: int, switches: int) -> dict:
     return {"throughput": throughput, "latency_s": throughput / 100, "accept_len": 1.5,
             "switches": switches, "errors": errors, "phases": {"low_1": low, "high_1": 900.0},
+            "phase_tokens": {"low_1": 1000, "high_1": 1000},
             "phase_accept_len": {"low_1": 1.0, "high_1": 5.0},
             "timeline": [{"t": throughput, "replica": "r", "k": 1}], "started_s": throughput,
             "phase_started_s": [throughput, throughput + 1]}
@@ -42,6 +43,10 @@ def test_report_compares_adaptive_modes_with_the_best_static_per_phase() -> None
     text = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 1})
     row = next(line for line in text.splitlines() if line.startswith("| goodput | 1.050"))
     assert row == "| goodput | 1.050 | 0.900 | 1.000 |"
+    # static1's low_1 (250 tok/s) and either's high_1 (900): 2000 tokens in 5.11 s.
+    ceiling = 2000 / (1000 / 250 + 1000 / 900)
+    assert f"| each phase's best static | {ceiling:.1f} | {ceiling / 400:.3f} | 1.000 |" in text
+    assert f"| goodput | 420.0 | 1.050 | {420 / ceiling:.3f} |" in text
 
 
 def test_report_pairs_each_round_with_that_rounds_best_static() -> None:
