@@ -267,7 +267,7 @@ def report(results: dict[str, Any]) -> str:
             [[m, f"{modes[m]['throughput'] / best_overall:.3f}",
               *(f"{modes[m]['phases'][p] / best[p]:.3f}" for p in phase_names)]
              for m in adaptive]))
-        lines.append(ceiling_table(modes, statics, adaptive, phase_names))
+        lines.append(ceiling_table(modes, statics, adaptive, phase_names, best_overall))
     if statics and adaptive and rounds > 1:
         lines.append(paired_table(modes, statics, adaptive, phase_names))
     comparisons = compare_to_statics({m: r["throughput"] for m, r in modes.items()})
@@ -279,7 +279,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def ceiling_table(modes: dict[str, Any], statics: list[str], adaptive: list[str],
-                  phase_names: list[str]) -> str:
+                  phase_names: list[str], best_overall: float) -> str:
     """The run each phase's best static would make if one mode could be it in every phase:
     the most a choice among these tiers makes without beating a static inside a phase (and
     without the moves between them). Each phase counts with that static's tokens and time."""
@@ -289,7 +289,6 @@ def ceiling_table(modes: dict[str, Any], statics: list[str], adaptive: list[str]
         tokens += modes[best]["phase_tokens"][phase]
         seconds += modes[best]["phase_tokens"][phase] / modes[best]["phases"][phase]
     ceiling = tokens / seconds
-    best_overall = max(modes[s]["throughput"] for s in statics)
     return print_table(
         "THE BEST STATIC OF EACH PHASE, COMBINED (the ceiling of a choice among these tiers "
         "per phase)",

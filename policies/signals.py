@@ -167,11 +167,6 @@ class Signals:
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
-    def draft_slots(self) -> int:
-        """Draft tokens the steps could have verified."""
-        return sum(self.slots_per_pos)
-
-    @property
     def local_batch(self) -> int:
         return self.running
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
+from bench.http_suite import end_leftovers
 from bench.transition import (
     combine,
     paired_ratios,
@@ -85,13 +89,6 @@ def test_a_subset_of_phases_runs_in_the_workloads_order() -> None:
 def test_the_suite_ends_processes_the_app_left_running() -> None:
     """A process that ignores SIGTERM (as an engine core stuck in a step would) is killed;
     one that already exited is not reported."""
-    import subprocess
-    import sys
-
-    import psutil
-
-    from bench.http_suite import end_leftovers
-
     stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; "
                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                                  "print('ready', flush=True); time.sleep(120)"],

@@ -186,7 +186,7 @@ def test_fold_keeps_per_position_counts_unbiased_across_k_changes():
     assert (signals.running, signals.waiting, signals.steps) == (2, 1, 2)
     assert [c.k for c in signals.step_costs] == [7], "a step of unknown time is left out"
     assert signals.slots_per_pos[:7] == (4,) + (2,) * 6
-    assert signals.draft_slots == 2 * 7 + 2 * 1
+    assert sum(signals.slots_per_pos) == 2 * 7 + 2 * 1
 
 
 def test_fold_leaves_prefill_steps_out_of_the_cost_model_but_counts_their_drafts():
@@ -210,7 +210,7 @@ def test_fold_prices_a_step_by_the_drafts_it_verified():
                       drafted_per_pos=(1,) * 6 + (0,))
     signals = fold_steps([step], (0, 1, 7), current_k=7)
     assert [(c.batch, c.k) for c in signals.step_costs] == [(4, 2)]
-    assert (signals.draft_tokens, signals.draft_slots) == (6, 28)
+    assert (signals.draft_tokens, sum(signals.slots_per_pos)) == (6, 28)
 
 
 def test_simulator_outputs_do_not_depend_on_k_and_control_loop_switches():
