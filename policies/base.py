@@ -18,5 +18,10 @@ class Policy(Protocol):
     reads_requests: bool
     """Whether `decide` reads `Signals.requests`; engines build those per-request windows
     only for policies that do (a batch's windows at every decision are not free)."""
+    decides_on_arrival: bool
+    """Whether the control loop asks for a decision as soon as a request of a class the
+    replica did not hold arrives, before a window of steps has gathered (a policy that prices
+    requests by their class: `Signals.request_priors`). Such a decision's window may hold no
+    step at all."""
 
     def decide(self, signals: Signals) -> Decision: ...

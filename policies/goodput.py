@@ -42,6 +42,8 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   measured level), not only profiled once, and interpolated piecewise in batch size so the
   regime knee is kept.
 - A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate. The
+  dwell does not hold a tier when a request of a new class arrives (`Signals.new_class`):
+  its class prices it before its first step (see `ControlLoop.tick`). The
   burden of proof is on drafting: a drafting tier within `DRAFT_TIE` of the floor is left
   for it without the margin, unless its drafter leaves its slots nearly empty, so its steps
   cost the floor's (see `_idle_drafter`).
@@ -483,8 +485,11 @@ def batch_acceptance(requests: RequestWindows, landing: list[float], prior_stren
     np.cumsum(reach, axis=0, out=lengths[1:])
     lengths[1:] += 1
     tokens = landed.sum(axis=1) + requests.lengths  # a step: its landed drafts and one more
-    last_drafted, last_landed = drafted[:, -1], landed[:, -1]
-    full_runs = np.where(last_landed == last_drafted, last_drafted, 0)
+    if drafted.shape[1]:
+        last_drafted, last_landed = drafted[:, -1], landed[:, -1]
+        full_runs = np.where(last_landed == last_drafted, last_drafted, 0)
+    else:  # no request has outcomes yet (just admitted)
+        full_runs = np.zeros(rows, np.int64)
     if not tokens.any():  # only requests without outcomes yet (priced by class): alike
         tokens = np.ones(rows)
     return BatchAcceptance(reach, lengths, tokens, full_runs)
@@ -592,6 +597,7 @@ def _extrapolate(rates: list[float]) -> float:
 class GoodputPolicy:
     name = "goodput"
     reads_requests = True
+    decides_on_arrival = True
 
     def __init__(self, config: GoodputConfig, candidates: tuple[int, ...]):
         self.config = config
@@ -742,7 +748,8 @@ class GoodputPolicy:
             inputs["capped_requests"] = float(len(caps_by_k[current]))
         if signals.class_prior:
             inputs["class_hint"] = signals.class_prior[0]
-        if self._steps_on_tier < self.config.min_dwell_steps:
+        # The dwell holds a tier against noisy measurements; a new class's arrival is news.
+        if self._steps_on_tier < self.config.min_dwell_steps and not signals.new_class:
             return Decision(current, "dwell", inputs, caps_by_k.get(current))
         deeper = [k for k in self.candidates if k > current]
         expected = self._tier_the_classes_expect(signals, deeper) \

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,21 @@ class RequestWindows:
             drafted[row, width - len(request.drafted):] = request.drafted
         return cls(tuple(r.request_id for r in requests), accepted, drafted,
                    np.array([len(r.accepted) for r in requests], np.int64))
+
+    def with_new(self, request_ids: Iterable[str]) -> RequestWindows:
+        """These rows plus an empty one for each of `request_ids` not among them: requests
+        the replica holds that have not run a verify step yet (just admitted, or waiting).
+        A policy prices such a request by its class until its own outcomes arrive."""
+        known = set(self.request_ids)
+        new = [request_id for request_id in request_ids if request_id not in known]
+        if not new:
+            return self
+        width = self.accepted.shape[1]
+        empty = np.zeros((len(new), width), np.int64)
+        return RequestWindows(self.request_ids + tuple(new),
+                              np.vstack([self.accepted, empty]),
+                              np.vstack([self.drafted, empty]),
+                              np.concatenate([self.lengths, np.zeros(len(new), np.int64)]))
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -164,6 +179,9 @@ class Signals:
     class is unknown or unmeasured; empty when no class is known at all)."""
     draft_caps_apply: bool = False
     """Whether the engine applies per-request draft caps (`Decision.draft_caps`)."""
+    new_class: bool = False
+    """A request of a class the replica did not hold at the previous decision arrived (the
+    control loop then asks at once: see `Policy.decides_on_arrival`)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -115,6 +115,7 @@ def _weighted_variance(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
 class StabilityPolicy:
     name = "stability"
     reads_requests = True
+    decides_on_arrival = False
 
     def __init__(self, config: StabilityConfig, candidates: tuple[int, ...]):
         self.config = config

@@ -24,8 +24,12 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
                requests: RequestWindows | None = None, now_s: float = 0.0,
                max_batch: int | None = None,
                class_prior: ClassPrior | None = None,
-               draft_caps_apply: bool = False) -> Signals:
-    """Sum a window of step records into Signals; per-position counts padded to max K."""
+               draft_caps_apply: bool = False, new_class: bool = False) -> Signals:
+    """Sum a window of step records into Signals; per-position counts padded to max K.
+
+    With a class prior, the requests the replica holds (`ClassPrior.class_of`) count: those
+    the engine had not scheduled at the window's last step count as waiting, and those
+    without verify outcomes yet get an empty row in `requests` (priced by their class)."""
     width = max(candidates)
     accepted, drafted, slots = [0] * width, [0] * width, [0] * width
     for step in steps:
@@ -34,9 +38,14 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         add_per_position(slots, step.slots_per_pos)
     last = steps[-1] if steps else None
     class_prior = class_prior or ClassPrior()
+    running = last.running if last else 0
+    # Requests admitted after the last step (or before any) are on their way into the batch.
+    waiting = max(last.waiting if last else 0, len(class_prior.class_of) - running)
+    if requests is not None:
+        requests = requests.with_new(class_prior.class_of)
     return Signals(
         candidates=candidates, current_k=current_k, steps=len(steps),
-        running=last.running if last else 0, waiting=last.waiting if last else 0,
+        running=running, waiting=waiting,
         drafts=sum(s.drafts for s in steps), draft_tokens=sum(s.draft_tokens for s in steps),
         drafting_sequence_steps=sum(s.running for s in steps if s.k > 0),
         accepted_tokens=sum(s.accepted_tokens for s in steps),
@@ -54,7 +63,7 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         request_priors=tuple(class_prior.request_rates(request_id)
                              for request_id in requests.request_ids)
         if requests is not None and class_prior.by_class else (),
-        draft_caps_apply=draft_caps_apply)
+        draft_caps_apply=draft_caps_apply, new_class=new_class)
 
 
 @dataclass
@@ -85,6 +94,7 @@ class ControlLoop:
         self._applies_caps: bool = getattr(engine, "applies_draft_caps", False)
         self._caps_sent: dict[str, int] = {}
         self._pending: list[StepRecord] = []
+        self._classes_decided: set[str] = set()  # request classes held at the last decision
         self.stats = LoopStats()
 
     def replace_policy(self, policy: Policy) -> None:
@@ -93,17 +103,25 @@ class ControlLoop:
 
     async def tick(self, cluster: ClusterView | None = None
                    ) -> tuple[list[StepRecord], Decision | None, TierSwitch | None]:
-        """Drain steps; decide when a window is full. Returns (new steps, decision, switch)."""
+        """Drain steps; decide when a window is full, or at once when a request of a class
+        the replica did not hold at the last decision arrived and the policy prices requests
+        by class (`Policy.decides_on_arrival`): at a change of workload the new requests'
+        class says which tier they want before they run a step, and waiting for a window of
+        steps at the old tier costs a tenth of a second at each phase start over HTTP.
+        Returns (new steps, decision, switch)."""
         steps = self.engine.drain_steps()
         self._pending.extend(steps)
-        if len(self._pending) < self.decide_every_steps:
-            return steps, None, None
-        requests = self._request_acceptance() if self._request_acceptance and \
-            self.policy.reads_requests else None
         class_prior = self._class_prior() if self._class_prior else None
+        classes = set(class_prior.class_of.values()) if class_prior is not None else set()
+        arrived = self.policy.decides_on_arrival and bool(classes - self._classes_decided)
+        if len(self._pending) < self.decide_every_steps and not arrived:
+            return steps, None, None
+        self._classes_decided = classes
+        engine_requests = self._request_acceptance() if self._request_acceptance and \
+            self.policy.reads_requests else None
         signals = fold_steps(self._pending, self.pool.candidates, self.pool.active_k,
-                             cluster, requests, time.monotonic(), self.max_batch, class_prior,
-                             self._applies_caps)
+                             cluster, engine_requests, time.monotonic(), self.max_batch,
+                             class_prior, self._applies_caps, arrived)
         self._pending = []
         started = time.perf_counter()
         decision = self.policy.decide(signals)
@@ -116,6 +134,9 @@ class ControlLoop:
         change = await self.pool.switch(decision.k) if decision.k in self.pool.candidates \
             else None
         caps = decision.draft_caps or {}  # a policy without caps lifts the previous ones
+        if engine_requests is not None:  # the engine caps only requests it runs
+            known = set(engine_requests.request_ids)
+            caps = {request_id: cap for request_id, cap in caps.items() if request_id in known}
         if self._applies_caps and caps != self._caps_sent:
             await self.engine.set_draft_caps(caps)
             self._caps_sent = caps

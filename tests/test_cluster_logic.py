@@ -257,6 +257,49 @@ def test_control_loop_hands_request_windows_to_the_policies_that_read_them(polic
     assert all(len(r.drafted) == loop.decide_every_steps for r in requests)
 
 
+@pytest.mark.parametrize(("start_k", "arriving", "tier"), [(15, "chat", 0), (0, "copy", 15)])
+def test_goodput_takes_the_tier_a_new_class_wants_before_its_first_step(start_k, arriving,
+                                                                      tier):
+    """A request of a class the replica did not hold arrives: the loop decides at its next
+    tick, with no step in the window, and the request (no outcomes yet, in the engine's
+    queue) is priced by its class. A second request of a class already held waits for a
+    window of steps, as does a policy that does not price by class. The dwell does not hold
+    the old tier: it guards against noisy measurements, and the arrival is news."""
+    classes = ClassAcceptance()
+    classes.own = {"copy": (0.97,) * 15, "chat": (0.02, 0.0)}
+    held: dict[str, str] = {}
+
+    def run(policy: dict) -> ControlLoop:
+        engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, max_num_seqs=8)
+        pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=start_k)
+        asyncio.run(pool.apply_initial())
+        held.clear()
+        loop = ControlLoop(engine, pool, build_policy(policy, pool.candidates),
+                           class_prior=lambda: classes.prior(Counter(held.values()), held))
+        for i in range(2):
+            held[f"r{i}"] = arriving
+            engine.submit(GenerationRequest(f"r{i}", prompt="a b c", max_tokens=50))
+            asyncio.run(loop.tick())
+        return loop
+
+    # A fresh policy is within its dwell: an arrival is decided all the same.
+    loop = run({"name": "goodput",
+                "profile": [[b, k, 0.008 + 0.0005 * b * k] for b in (1, 8) for k in (0, 15)]})
+    assert loop.stats.decisions == 1 and loop.stats.last_signals.steps == 0
+    assert loop.pool.active_k == tier
+    signals = loop.stats.last_signals
+    assert signals.requests.request_ids == ("r0",) and signals.waiting == 1
+    assert run({"name": "ema"}).stats.decisions == 0
+
+
+def test_request_windows_gain_an_empty_row_per_request_not_among_them():
+    windows = RequestWindows.of([RequestAcceptance("a", (1, 2), (2, 2))]).with_new(["a", "b"])
+    assert windows.request_ids == ("a", "b")
+    assert windows.lengths.tolist() == [2, 0]
+    assert windows.drafted.tolist() == [[2, 2], [0, 0]]
+    assert RequestWindows().with_new(["c"]).request_ids == ("c",)
+
+
 def test_hub_keeps_the_newest_fleet_wide_change_whatever_the_arrival_order():
     hub = ClusterState()
     newer = {"policy": {"name": "static", "k": 7}, "issued_at": 20.0}
@@ -334,7 +377,7 @@ def test_simulator_caps_a_requests_drafts_and_its_step_cost_follows():
 
 def test_control_loop_sends_a_policys_caps_and_lifts_them_for_a_policy_without():
     class Capping:
-        name, reads_requests = "capping", False
+        name, reads_requests, decides_on_arrival = "capping", False, False
 
         def decide(self, signals: Signals) -> Decision:
             assert signals.draft_caps_apply

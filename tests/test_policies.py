@@ -326,6 +326,24 @@ def test_goodput_does_not_go_deep_on_a_mixed_batch_whose_copy_requests_would_lea
     assert decide(mixed_batch(copy=32, sampled=0)) == 15  # a uniform batch still goes deep
 
 
+def test_goodput_prices_requests_without_any_outcome_by_their_class():
+    """Just admitted, no step run (the replica's engine reports no windows at all): each
+    request is priced by its class, so a replica holding only such requests takes the tier
+    their classes want before their first step."""
+    copy_class = tuple(0.97 ** (k + 1) for k in range(15))
+    sampled_class = tuple(0.03 * 0.2 ** k for k in range(15))
+
+    def decide(current: int, prior: tuple[float, ...]) -> int:
+        policy = goodput(profile=MEASURED)
+        signals = window(current, 0.9, batch=8)
+        return policy.decide(Signals(**{
+            **signals.__dict__, "requests": RequestWindows().with_new(["a", "b"]),
+            "request_priors": (prior, prior)})).k
+
+    assert decide(15, sampled_class) == 0
+    assert decide(0, copy_class) == 15
+
+
 def test_goodput_caps_the_failing_requests_drafts_and_goes_deep_for_the_copies():
     """The same mixed batch on an engine that caps drafts per request: the sampled requests
     verify one draft a step (their evidence), the copy requests draft K, and K goes deep,
