@@ -53,7 +53,7 @@ class ClassPrior(NamedTuple):
     traffic, which may be another class's."""
     class_of: Mapping[str, str] = {}
     """Request id -> class, for the requests on the replica (the caller's own mapping, not a
-    copy: a decision reads only the running requests' entries)."""
+    copy: read afresh at each decision)."""
 
     def request_rates(self, request_id: str) -> Rates:
         """What the request's class showed before; () when its class is unknown."""

@@ -443,7 +443,7 @@ class BatchAcceptance:
 
 
 def batch_acceptance(requests: RequestWindows, landing: list[float], prior_strength: float,
-                     request_priors: Sequence[tuple[float, ...]] = ()
+                     request_priors: Sequence[tuple[float, ...]] = (), depth: int = 0
                      ) -> BatchAcceptance | None:
     """Each running request's acceptance from its own verify outcomes; None when no request
     drafted in its window and none has a class prior.
@@ -463,6 +463,11 @@ def batch_acceptance(requests: RequestWindows, landing: list[float], prior_stren
     traffic before it, which at a change of phase is another class's (a replica fresh from
     copy traffic priced new sampled requests as copy and kept a deep K into the sampled
     phase).
+
+    A request's share of the tokens is what it made in its window; one without outcomes
+    yet (just taken, or waiting) weighs as a request that ran the others' mean steps at its
+    class's acceptance length at `depth` (the tier running now): it takes a slot as they do.
+    Weighed 0, a new request of another class would count for nothing in a busy batch.
 
     Vectorised over requests (see `policies.outcomes`).
     """
@@ -490,8 +495,12 @@ def batch_acceptance(requests: RequestWindows, landing: list[float], prior_stren
         full_runs = np.where(last_landed == last_drafted, last_drafted, 0)
     else:  # no request has outcomes yet (just admitted)
         full_runs = np.zeros(rows, np.int64)
-    if not tokens.any():  # only requests without outcomes yet (priced by class): alike
+    new = requests.lengths == 0
+    if new.all():  # only requests without outcomes yet (priced by class): alike
         tokens = np.ones(rows)
+    elif new.any():
+        tokens = tokens.astype(float)
+        tokens[new] = requests.lengths[~new].mean() * lengths[min(depth, kmax), new]
     return BatchAcceptance(reach, lengths, tokens, full_runs)
 
 
@@ -643,7 +652,7 @@ class GoodputPolicy:
         landing = [share * rate for rate in rates]
         batch = self._batch(signals)
         requests = batch_acceptance(signals.requests, landing, self.config.prior_strength,
-                                    signals.request_priors)
+                                    signals.request_priors, signals.current_k)
         if requests is None:  # no per-request outcomes: the batch's mean as it is now
             options = [(None, [1 + sum(landing[:k]) for k in ks],
                         [self.fill.verified(k) for k in ks])]

@@ -44,7 +44,9 @@ def _no_outcomes() -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class RequestWindows:
-    """The running requests' recent verify outcomes, one row per request (`request_ids`).
+    """The requests' recent verify outcomes, one row per request (`request_ids`): the
+    engine's running requests, and (`with_new`) empty rows for requests the replica holds
+    that have none yet.
 
     Row i holds the request's last `lengths[i]` outcomes in its last columns, oldest first:
     `accepted[i, j]` of `drafted[i, j]` drafts landed. The columns before them are zeros, a
@@ -190,7 +192,8 @@ class Signals:
 
     @property
     def effective_concurrency(self) -> int:
-        """running + waiting, as the engine saw them at the window's last step, plus what the
+        """running + waiting (as the engine saw them at the window's last step, and the
+        requests the replica took since: see `fold_steps`), plus what the
         cluster view says is on its way here. Only the requests in transit come from the
         view: its counts of this replica's own requests are up to a telemetry period old,
         and copy-like requests finish within one (a stale count of 11 priced a batch of 2

@@ -2,8 +2,9 @@
 
 Engine-agnostic and free of Ray: the replica deployment, the simulator harnesses and the tests
 drive the same `ControlLoop`. Each `tick` drains the engine's step records; once at least
-`decide_every_steps` steps have gathered, they are folded into one `Signals` window, the policy
-decides, and the tier pool switches if the answer differs.
+`decide_every_steps` steps have gathered (or at once, when a request of a new class arrives:
+see `ControlLoop.tick`), they are folded into one `Signals` window, the policy decides, and the
+tier pool switches if the answer differs.
 """
 
 from __future__ import annotations
@@ -24,22 +25,26 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
                requests: RequestWindows | None = None, now_s: float = 0.0,
                max_batch: int | None = None,
                class_prior: ClassPrior | None = None,
-               draft_caps_apply: bool = False, new_class: bool = False) -> Signals:
+               draft_caps_apply: bool = False, new_class: bool = False,
+               previous: StepRecord | None = None) -> Signals:
     """Sum a window of step records into Signals; per-position counts padded to max K.
+    `previous`, the last step before the window, gives the engine's counts of a window
+    without steps (a decision on an arrival).
 
     With a class prior, the requests the replica holds (`ClassPrior.class_of`) count: those
-    the engine had not scheduled at the window's last step count as waiting, and those
-    without verify outcomes yet get an empty row in `requests` (priced by their class)."""
+    the engine did not run at the last step count as waiting (this includes a request the
+    engine finished whose handler has not closed yet), and those without verify outcomes yet
+    get an empty row in `requests` (priced by their class)."""
     width = max(candidates)
     accepted, drafted, slots = [0] * width, [0] * width, [0] * width
     for step in steps:
         add_per_position(accepted, step.accepted_per_pos)
         add_per_position(drafted, step.drafted_per_pos)
         add_per_position(slots, step.slots_per_pos)
-    last = steps[-1] if steps else None
+    last = steps[-1] if steps else previous
     class_prior = class_prior or ClassPrior()
     running = last.running if last else 0
-    # Requests admitted after the last step (or before any) are on their way into the batch.
+    # Requests the replica took after the last step (or before any) are on their way in.
     waiting = max(last.waiting if last else 0, len(class_prior.class_of) - running)
     if requests is not None:
         requests = requests.with_new(class_prior.class_of)
@@ -94,34 +99,45 @@ class ControlLoop:
         self._applies_caps: bool = getattr(engine, "applies_draft_caps", False)
         self._caps_sent: dict[str, int] = {}
         self._pending: list[StepRecord] = []
-        self._classes_decided: set[str] = set()  # request classes held at the last decision
+        self._last_step: StepRecord | None = None
+        self._classes_decided: set[str] = set()  # measured classes held at the last decision
         self.stats = LoopStats()
 
     def replace_policy(self, policy: Policy) -> None:
         self.policy = policy
         self._pending.clear()
+        self._classes_decided = set()  # the new policy has priced no class yet
 
     async def tick(self, cluster: ClusterView | None = None
                    ) -> tuple[list[StepRecord], Decision | None, TierSwitch | None]:
         """Drain steps; decide when a window is full, or at once when a request of a class
-        the replica did not hold at the last decision arrived and the policy prices requests
-        by class (`Policy.decides_on_arrival`): at a change of workload the new requests'
-        class says which tier they want before they run a step, and waiting for a window of
-        steps at the old tier costs a tenth of a second at each phase start over HTTP.
-        Returns (new steps, decision, switch)."""
+        the replica did not hold at the last decision arrived, a class some replica measured
+        before, and the policy prices requests by class (`Policy.decides_on_arrival`): at a
+        change of workload the new requests' class says which tier they want before they
+        run a step, and waiting for a window of steps at the old tier cost a tenth of a
+        second at each phase start over HTTP. (A class that leaves and comes back between
+        two decisions is not new.) Returns (new steps, decision, switch)."""
         steps = self.engine.drain_steps()
         self._pending.extend(steps)
-        class_prior = self._class_prior() if self._class_prior else None
-        classes = set(class_prior.class_of.values()) if class_prior is not None else set()
-        arrived = self.policy.decides_on_arrival and bool(classes - self._classes_decided)
+        # The class prior every tick only for a policy that decides on arrivals.
+        class_prior = self._class_prior() if self._class_prior and \
+            self.policy.decides_on_arrival else None
+        arrived = class_prior is not None and \
+            bool(class_prior.by_class.keys() - self._classes_decided)
         if len(self._pending) < self.decide_every_steps and not arrived:
+            if steps:
+                self._last_step = steps[-1]
             return steps, None, None
-        self._classes_decided = classes
+        if class_prior is None and self._class_prior:
+            class_prior = self._class_prior()
+        self._classes_decided = set(class_prior.by_class) if class_prior else set()
         engine_requests = self._request_acceptance() if self._request_acceptance and \
             self.policy.reads_requests else None
         signals = fold_steps(self._pending, self.pool.candidates, self.pool.active_k,
                              cluster, engine_requests, time.monotonic(), self.max_batch,
-                             class_prior, self._applies_caps, arrived)
+                             class_prior, self._applies_caps, arrived, self._last_step)
+        if self._pending:
+            self._last_step = self._pending[-1]
         self._pending = []
         started = time.perf_counter()
         decision = self.policy.decide(signals)
@@ -134,7 +150,10 @@ class ControlLoop:
         change = await self.pool.switch(decision.k) if decision.k in self.pool.candidates \
             else None
         caps = decision.draft_caps or {}  # a policy without caps lifts the previous ones
-        if engine_requests is not None:  # the engine caps only requests it runs
+        # Only requests with outcomes: an engine may not know a request just handed to it
+        # (the simulator's queue), and caps it drops would not be sent again. A new
+        # request's cap goes out at the first decision after its first step.
+        if engine_requests is not None:
             known = set(engine_requests.request_ids)
             caps = {request_id: cap for request_id, cap in caps.items() if request_id in known}
         if self._applies_caps and caps != self._caps_sent:

@@ -292,6 +292,47 @@ def test_goodput_takes_the_tier_a_new_class_wants_before_its_first_step(start_k,
     assert run({"name": "ema"}).stats.decisions == 0
 
 
+def test_an_arrival_decision_keeps_the_engines_batch_and_needs_a_measured_class():
+    """A busy replica decides on a window, then a request of a new class arrives: the
+    decision on its arrival has no step in its window, and sees the engine's running
+    requests of the last step (not 0, with every held request counted as waiting). A class
+    no replica has measured triggers nothing: its class would price it no better than the
+    replica's own rates. A new policy decides on its first arrival again."""
+    classes = ClassAcceptance()
+    classes.own = {"chat": (0.02, 0.0)}
+    held: dict[str, str] = {}
+    engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, max_num_seqs=8)
+    pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=3)
+    asyncio.run(pool.apply_initial())
+    loop = ControlLoop(engine, pool, build_policy({"name": "goodput"}, pool.candidates),
+                       class_prior=lambda: classes.prior(Counter(held.values()), held))
+
+    def arrive(request_id: str, request_class: str) -> None:
+        held[request_id] = request_class
+        engine.submit(GenerationRequest(request_id, prompt="a b c", max_tokens=200))
+
+    for i in range(4):
+        arrive(f"u{i}", "unmeasured")
+    asyncio.run(loop.tick())
+    assert loop.stats.decisions == 0  # a class nobody measured: no decision on arrival
+    engine.admit()
+    for _ in range(loop.decide_every_steps):
+        engine.step()
+    asyncio.run(loop.tick())
+    assert loop.stats.decisions == 1 and loop.stats.last_signals.running == 4
+    arrive("c0", "chat")
+    asyncio.run(loop.tick())
+    signals = loop.stats.last_signals
+    assert loop.stats.decisions == 2 and signals.steps == 0 and signals.new_class
+    assert (signals.running, signals.waiting) == (4, 1)
+    arrive("c1", "chat")  # a class held at the last decision
+    asyncio.run(loop.tick())
+    assert loop.stats.decisions == 2
+    loop.replace_policy(build_policy({"name": "goodput"}, pool.candidates))
+    asyncio.run(loop.tick())
+    assert loop.stats.decisions == 3 and loop.stats.last_signals.new_class
+
+
 def test_request_windows_gain_an_empty_row_per_request_not_among_them():
     windows = RequestWindows.of([RequestAcceptance("a", (1, 2), (2, 2))]).with_new(["a", "b"])
     assert windows.request_ids == ("a", "b")

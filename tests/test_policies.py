@@ -344,6 +344,28 @@ def test_goodput_prices_requests_without_any_outcome_by_their_class():
     assert decide(0, copy_class) == 15
 
 
+def test_a_request_without_outcomes_weighs_in_a_busy_batch_as_a_request_of_its_class():
+    """Four copy requests at K=15 with 30 steps of outcomes each, and a sampled request just
+    taken: it weighs as a request that ran 30 steps at its class's acceptance length, so the
+    batch's steady tokens a step at K=15 fall towards the sampled request's (it keeps its
+    slot for many more steps than a copy request keeps one)."""
+    copy_class = tuple(0.97 ** (k + 1) for k in range(15))
+    sampled_class = tuple(0.03 * 0.2 ** k for k in range(15))
+    copies = mixed_batch(copy=4, sampled=0, k=15)
+    landing = [0.9] * 15
+
+    def steady_at_15(requests: RequestWindows, priors: tuple[tuple[float, ...], ...]) -> float:
+        batch = batch_acceptance(requests, landing, 4.0, priors, depth=15)
+        return float(batch.steady((15,))[0][0])
+
+    alone = steady_at_15(copies, (copy_class,) * 4)
+    with_new = copies.with_new(["new"])
+    batch = batch_acceptance(with_new, landing, 4.0, (copy_class,) * 4 + (sampled_class,), 15)
+    assert batch.tokens[-1] == pytest.approx(30 * batch.lengths[15, -1])
+    # It holds a fifth of the slots: about 4 x 30 copy steps and its 30 (was 0 weight, alone).
+    assert steady_at_15(with_new, (copy_class,) * 4 + (sampled_class,)) < 0.85 * alone
+
+
 def test_goodput_caps_the_failing_requests_drafts_and_goes_deep_for_the_copies():
     """The same mixed batch on an engine that caps drafts per request: the sampled requests
     verify one draft a step (their evidence), the copy requests draft K, and K goes deep,
