@@ -81,12 +81,13 @@ class RequestWindows:
         return cls(tuple(r.request_id for r in requests), accepted, drafted,
                    np.array([len(r.accepted) for r in requests], np.int64))
 
-    def with_new(self, request_ids: Iterable[str]) -> RequestWindows:
-        """These rows plus an empty one for each of `request_ids` not among them: requests
-        the replica holds that have not run a verify step yet (just admitted, or waiting).
-        A policy prices such a request by its class until its own outcomes arrive."""
+    def with_new(self, request_ids: Iterable[str], limit: int | None = None) -> RequestWindows:
+        """These rows plus an empty one for each of `request_ids` not among them, the first
+        `limit` of them at most: requests the replica holds that have not run a verify step
+        yet (just taken, or waiting). A policy prices such a request by its class until its
+        own outcomes arrive."""
         known = set(self.request_ids)
-        new = [request_id for request_id in request_ids if request_id not in known]
+        new = [request_id for request_id in request_ids if request_id not in known][:limit]
         if not new:
             return self
         width = self.accepted.shape[1]

@@ -47,7 +47,10 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
     # Requests the replica took after the last step (or before any) are on their way in.
     waiting = max(last.waiting if last else 0, len(class_prior.class_of) - running)
     if requests is not None:
-        requests = requests.with_new(class_prior.class_of)
+        # Only as many as the batch has free slots, the first taken first: a queue beyond
+        # them does not share this batch's steps (under overload it held hundreds).
+        free = max(0, max_batch - len(requests)) if max_batch else None
+        requests = requests.with_new(class_prior.class_of, free)
     return Signals(
         candidates=candidates, current_k=current_k, steps=len(steps),
         running=running, waiting=waiting,

@@ -339,6 +339,14 @@ def test_request_windows_gain_an_empty_row_per_request_not_among_them():
     assert windows.lengths.tolist() == [2, 0]
     assert windows.drafted.tolist() == [[2, 2], [0, 0]]
     assert RequestWindows().with_new(["c"]).request_ids == ("c",)
+    # Up to the batch's free slots, the first taken first: a queue beyond them waits.
+    assert windows.with_new(["c", "d"], limit=1).request_ids == ("a", "b", "c")
+    step = StepRecord(running=1, waiting=3, k=0, wall_s=0.01)
+    held = ClassAcceptance().prior(Counter(chat=4),
+                                   {"a": "chat", "x": "chat", "y": "chat", "z": "chat"})
+    signals = fold_steps([step], (0, 1), 0, requests=RequestWindows.of(
+        [RequestAcceptance("a", (0,), (0,))]), max_batch=2, class_prior=held)
+    assert signals.requests.request_ids == ("a", "x") and signals.waiting == 3
 
 
 def test_hub_keeps_the_newest_fleet_wide_change_whatever_the_arrival_order():
