@@ -122,14 +122,14 @@ class ControlLoop:
         two decisions is not new.) Returns (new steps, decision, switch)."""
         steps = self.engine.drain_steps()
         self._pending.extend(steps)
+        if steps:  # the engine's counts for a decision whose window holds no step
+            self._last_step = steps[-1]
         # The class prior every tick only for a policy that decides on arrivals.
         class_prior = self._class_prior() if self._class_prior and \
             self.policy.decides_on_arrival else None
         arrived = class_prior is not None and \
             bool(class_prior.by_class.keys() - self._classes_decided)
         if len(self._pending) < self.decide_every_steps and not arrived:
-            if steps:
-                self._last_step = steps[-1]
             return steps, None, None
         if class_prior is None and self._class_prior:
             class_prior = self._class_prior()
@@ -139,8 +139,6 @@ class ControlLoop:
         signals = fold_steps(self._pending, self.pool.candidates, self.pool.active_k,
                              cluster, engine_requests, time.monotonic(), self.max_batch,
                              class_prior, self._applies_caps, arrived, self._last_step)
-        if self._pending:
-            self._last_step = self._pending[-1]
         self._pending = []
         started = time.perf_counter()
         decision = self.policy.decide(signals)
