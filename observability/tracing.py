@@ -203,20 +203,22 @@ def finish_span(span: Span, *, error: BaseException | None = None,
 def ingress_span(route: str, headers: Mapping[str, str] | None, *, request_id: str,
                  model: str | None = None, prompt: str | None = None) -> Iterator[Span]:
     """`start_ingress_span` ... `finish_span` around a block (non-streaming handlers)."""
-    span = start_ingress_span(route, headers, request_id=request_id, model=model, prompt=prompt)
-    try:
+    with _finished(start_ingress_span(route, headers, request_id=request_id, model=model,
+                                      prompt=prompt)) as span:
         yield span
-    except BaseException as exc:
-        finish_span(span, error=exc)
-        raise
-    finish_span(span)
 
 
 @contextmanager
 def replica_span(carrier: Mapping[str, str] | None, *, request_id: str, replica_id: str,
                  model: str | None = None, k_start: int | None = None) -> Iterator[Span]:
-    span = start_replica_span(carrier, request_id=request_id, replica_id=replica_id,
-                              model=model, k_start=k_start)
+    with _finished(start_replica_span(carrier, request_id=request_id, replica_id=replica_id,
+                                      model=model, k_start=k_start)) as span:
+        yield span
+
+
+@contextmanager
+def _finished(span: Span) -> Iterator[Span]:
+    """`span` around a block, finished when it ends (with the error, when it raised)."""
     try:
         yield span
     except BaseException as exc:

@@ -155,3 +155,13 @@ def test_not_configured_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
     tracing.finish_span(span, completion_tokens=1)  # no error, nothing recorded
     # Idempotent: a second call without force keeps the first outcome.
     assert tracing.configure_tracing("other") is False
+
+
+def test_span_context_managers_mark_errors(spans: InMemorySpanExporter) -> None:
+    with pytest.raises(RuntimeError), tracing.ingress_span("POST /x", None, request_id="r"), \
+            tracing.replica_span({}, request_id="r", replica_id="r1"):
+        raise RuntimeError("engine died")
+    tracing.force_flush_tracing()
+    finished = spans.get_finished_spans()
+    assert len(finished) == 2
+    assert all(s.status.status_code is StatusCode.ERROR for s in finished)
