@@ -24,12 +24,15 @@ import psutil
 import yaml
 
 RESULTS = Path("bench/results")
-MODES = "static1,static3,static7,static15,ema,goodput"
+# The modes plus static0, speculation off: the baseline a user weighs speculation
+# against, and in the sampled phases the tier `goodput` mostly holds (there the drafting
+# statics and K=0 lie within a few percent of each other, inside their spread across rounds).
+MODES = "static0,static1,static3,static7,static15,ema,goodput"
 WORKLOADS = {
     # The settings; the sweep's requests are the floor of each phase (2 x concurrency
     # otherwise): 16, so each concurrency-1 phase lasts about 10 s. At 8 (5 s) one round's
     # c1 throughput moved by +-15% for every mode alike, more than the modes differ there,
-    # and the verdict against the best of four statics followed the noise (goodput's c1 was
+    # and the verdict against the best of the statics followed the noise (goodput's c1 was
     # 0.842x the best static in one suite run, 1.14x static15 in a 16-request study of c1).
     # Both run several rounds, modes interleaved (medians): one phase of one mode moves by up
     # to 2x between runs on a 2-core machine (the sweep's goodput at concurrency 64 went from
