@@ -56,7 +56,7 @@ import statistics
 import time
 from collections import Counter
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +70,7 @@ from policies.goodput import GoodputConfig
 from policies.registry import build_policy
 from policies.signals import ClusterView, Decision, Signals
 from replicas.control_loop import ControlLoop
-from replicas.engines.base import GenerationRequest, add_per_position
+from replicas.engines.base import GenerationRequest, add_per_position, period_windows
 from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS, SimPreset
 from replicas.tier_pool import TierPool
@@ -192,7 +192,7 @@ class SimReplica:
         self.window_drafted = [0] * max(CANDIDATES)
         if self.learns_classes:  # as the replica deployment: from its requests' windows
             self.classes.observe(class_counts(
-                self.engine.request_acceptance(), self.in_flight_class, self.engine.kmax))
+                *period_windows(self.engine, self.in_flight_class), self.engine.kmax))
         return stats
 
 
@@ -287,7 +287,11 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                    switch_margin: float | None = None, tpot_bound: bool = False
                    ) -> ModeOutcome:
     started = time.perf_counter()
-    preset = PRESETS[PRESET]
+    # Acceptance models named by request class: each request carries its class into the
+    # engine, as the ingress's do in the app, and the engine's records of finished requests
+    # name the classes the replicas learn.
+    preset = replace(PRESETS[PRESET], acceptance={
+        name: PRESETS[PRESET].acceptance[model] for name, model in CLASSES.items()})
     uses_cluster, gathering = mode in CLUSTER, mode == "goodput_routed"
     fleet = []
     for i in range(replicas):
@@ -352,7 +356,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
             serial += 1
             entry = replica.engine.submit(GenerationRequest(
                 request_id=f"q{serial}", prompt="sim", max_tokens=arrival.max_tokens,
-                request_class=CLASSES[arrival.request_class], seed=serial))
+                request_class=arrival.request_class, seed=serial))
             replica.in_flight[entry.request.request_id] = Tracked(arrival, entry)
             replica.in_flight_classes[arrival.request_class] += 1
             replica.in_flight_class[entry.request.request_id] = arrival.request_class

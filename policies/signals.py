@@ -97,6 +97,23 @@ class RequestWindows:
                               np.vstack([self.drafted, empty]),
                               np.concatenate([self.lengths, np.zeros(len(new), np.int64)]))
 
+    @classmethod
+    def joined(cls, parts: Sequence[RequestWindows]) -> RequestWindows:
+        """The rows of `parts`, one after another (narrower windows padded on the left with
+        steps that neither drafted nor landed)."""
+        parts = [part for part in parts if len(part)]
+        if len(parts) <= 1:
+            return parts[0] if parts else cls()
+        width = max(part.accepted.shape[1] for part in parts)
+
+        def padded(rows: np.ndarray) -> np.ndarray:
+            return np.pad(rows, ((0, 0), (width - rows.shape[1], 0)))
+
+        return cls(tuple(rid for part in parts for rid in part.request_ids),
+                   np.vstack([padded(part.accepted) for part in parts]),
+                   np.vstack([padded(part.drafted) for part in parts]),
+                   np.concatenate([part.lengths for part in parts]))
+
     def __len__(self) -> int:
         return len(self.request_ids)
 

@@ -27,7 +27,12 @@ from policies.registry import build_policy, parse_policy_config
 from policies.signals import ClusterView, Decision
 from replicas.chunks import Chunk, coalesce
 from replicas.control_loop import ControlLoop
-from replicas.engines.base import EngineInputError, GenerationRequest, add_per_position
+from replicas.engines.base import (
+    EngineInputError,
+    GenerationRequest,
+    add_per_position,
+    period_windows,
+)
 from replicas.engines.factory import build_engine
 from replicas.engines.spec import EngineSpec
 from replicas.tier_pool import TierPool, TierSwitch
@@ -306,11 +311,11 @@ class EngineReplica:
         logger.info("replica %s reconfigured: %s", self.replica_id, user_config)
 
     def _update_class_acceptance(self) -> None:
-        """Per request class, decayed per-position acceptance from the running requests'
-        recent verify outcomes."""
-        provider = getattr(self.engine, "request_acceptance", None)
-        if provider is not None:
-            self._classes.observe(class_counts(provider(), self._request_class,
+        """Per request class, decayed per-position acceptance from the recent verify
+        outcomes of the requests running now and of those that finished since the last
+        period."""
+        if hasattr(self.engine, "request_acceptance"):
+            self._classes.observe(class_counts(*period_windows(self.engine, self._request_class),
                                                self.engine.kmax))
 
     def _class_prior(self) -> ClassPrior:

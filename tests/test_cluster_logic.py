@@ -31,7 +31,7 @@ from policies.class_acceptance import (
 from policies.registry import build_policy
 from policies.signals import Decision, RequestAcceptance, RequestWindows, Signals
 from replicas.control_loop import ControlLoop, fold_steps
-from replicas.engines.base import GenerationRequest, StepRecord
+from replicas.engines.base import GenerationRequest, StepRecord, period_windows
 from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS
 from replicas.tier_pool import TierPool
@@ -347,6 +347,41 @@ def test_request_windows_gain_an_empty_row_per_request_not_among_them():
     signals = fold_steps([step], (0, 1), 0, requests=RequestWindows.of(
         [RequestAcceptance("a", (0,), (0,))]), max_batch=2, class_prior=held)
     assert signals.requests.request_ids == ("a", "x") and signals.waiting == 3
+
+
+def test_request_windows_join_rows_of_any_width():
+    first = RequestWindows.of([RequestAcceptance("a", (1, 2, 0), (2, 2, 2))])
+    second = RequestWindows.of([RequestAcceptance("b", (3,), (3,))])
+    joined = RequestWindows.joined([first, RequestWindows(), second])
+    assert joined.request_ids == ("a", "b") and joined.lengths.tolist() == [3, 1]
+    assert joined.drafted.tolist() == [[2, 2, 2], [0, 0, 3]]
+    assert list(joined) == [*first, *second]
+    assert len(RequestWindows.joined([])) == 0
+
+
+def test_a_replica_learns_the_class_of_requests_that_finish_between_two_periods():
+    """Requests that start and finish between two telemetry periods: none runs at the
+    period, yet their outcomes reach their class's acceptance (the engine keeps a finished
+    request's window, with its class, until read). Read once: the next period has none."""
+    engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, max_num_seqs=4)
+    asyncio.run(engine.set_k(3))
+    for i in range(2):
+        engine.submit(GenerationRequest(f"r{i}", prompt="a b c", max_tokens=12 + 4 * i,
+                                        request_class="high"))
+    engine.admit()
+    last_seen = {}
+    while engine.counters().running:
+        running = engine.request_acceptance()
+        last_seen.update((r.request_id, r) for r in running)
+        engine.step()
+    windows, class_of = period_windows(engine, {})
+    assert set(windows.request_ids) == {"r0", "r1"} and set(class_of.values()) == {"high"}
+    for finished in windows:  # every step it ran: the ones seen before, and its last
+        assert finished.drafted[:-1] == last_seen[finished.request_id].drafted
+        assert finished.accepted[:-1] == last_seen[finished.request_id].accepted
+        assert finished.drafted[-1] == 3
+    assert class_counts(windows, class_of, width=15).keys() == {"high"}
+    assert len(period_windows(engine, {})[0]) == 0
 
 
 def test_hub_keeps_the_newest_fleet_wide_change_whatever_the_arrival_order():

@@ -244,11 +244,20 @@ async def test_request_window_is_the_schedulers_count_per_step(ngram_engine, pro
     await ngram_engine.set_k(3)
     await asyncio.sleep(0)
     ngram_engine.drain_steps()
-    window = await last_window(ngram_engine, greedy(prompt, max_tokens=28))
+    ngram_engine.finished_acceptance()  # the earlier tests' requests
+    request = greedy(prompt, max_tokens=28)
+    window = await last_window(ngram_engine, request)
     steps = [s for s in ngram_engine.drain_steps() if s.generated_tokens]
     assert all(s.drafts <= 1 for s in steps)  # alone in every step
     decode_steps = [(s.accepted_tokens, 3) for s in steps[1:]]  # steps[0] is the prefill
     assert window in (decode_steps, decode_steps[:-1])
+    # Once finished, the window is kept with the request's class until read, once.
+    finished, class_of = ngram_engine.finished_acceptance()
+    assert finished.request_ids == (request.request_id,)
+    assert class_of == {request.request_id: request.request_class}
+    row = next(iter(finished))
+    assert list(zip(row.accepted, row.drafted, strict=True)) == window
+    assert len(ngram_engine.finished_acceptance()[0]) == 0
 
 
 async def test_concurrent_requests_get_their_own_outcomes(ngram_engine):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from policies.class_acceptance import DEFAULT_CLASS
+from policies.signals import RequestWindows
 
 
 class EngineInputError(ValueError):
@@ -98,6 +100,43 @@ class StepRecord:
 
 # Verify outcomes an engine keeps per running request (`request_acceptance`); DSDE uses 30.
 REQUEST_WINDOW = 30
+# Finished requests' windows an engine keeps until they are read (`FinishedWindows`).
+FINISHED_KEPT = 256
+
+
+class FinishedWindows:
+    """The last verify outcomes of requests that finished, each with its request class,
+    until read (`drain`); the last `FINISHED_KEPT` batches of them when nobody reads."""
+
+    def __init__(self) -> None:
+        self._batches: deque[tuple[RequestWindows, dict[str, str]]] = \
+            deque(maxlen=FINISHED_KEPT)
+
+    def add(self, windows: RequestWindows, class_of: dict[str, str]) -> None:
+        if len(windows):
+            self._batches.append((windows, class_of))
+
+    def drain(self) -> tuple[RequestWindows, dict[str, str]]:
+        """The windows kept since the last call, and request id -> class for their rows."""
+        batches, self._batches = self._batches, deque(maxlen=FINISHED_KEPT)
+        return (RequestWindows.joined([windows for windows, _ in batches]),
+                {rid: cls for _, class_of in batches for rid, cls in class_of.items()})
+
+
+def period_windows(engine: Any, class_of: Mapping[str, str]
+                   ) -> tuple[RequestWindows, Mapping[str, str]]:
+    """A telemetry period's evidence of per-class acceptance: the running requests' windows
+    (their classes from `class_of`) and those of the requests that finished since the last
+    period (`Engine.finished_acceptance`, with their classes). Without the finished ones, a
+    replica whose requests all finish within a period measures none of them."""
+    running = engine.request_acceptance()
+    finished_acceptance = getattr(engine, "finished_acceptance", None)
+    if finished_acceptance is None:
+        return running, class_of
+    finished, finished_class = finished_acceptance()
+    if not len(finished):
+        return running, class_of
+    return RequestWindows.joined([running, finished]), {**class_of, **finished_class}
 
 
 @dataclass
@@ -149,7 +188,9 @@ class Engine(Protocol):
     applies it from the next scheduled step on. Stats come two ways: `drain_steps()` returns
     the per-step records since the last call (for the control loop), `counters()` the totals.
     An engine that can attribute acceptance to requests also has `request_acceptance()`: each
-    running request's last `REQUEST_WINDOW` verify outcomes (`policies.signals.RequestWindows`).
+    running request's last `REQUEST_WINDOW` verify outcomes (`policies.signals.RequestWindows`),
+    and `finished_acceptance()`: the same of the requests that finished since the last call,
+    with request id -> class (`FinishedWindows.drain`).
     One that can cap a request's drafts below K has `applies_draft_caps = True` and
     `async set_draft_caps(caps)`: request id -> most drafts a step, for the running requests
     named; it replaces the previous caps, and the others draft K.

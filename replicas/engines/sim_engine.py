@@ -30,6 +30,7 @@ from replicas.engines.base import (
     REQUEST_WINDOW,
     EngineCounters,
     EngineInputError,
+    FinishedWindows,
     GenerationChunk,
     GenerationRequest,
     StepRecord,
@@ -98,6 +99,7 @@ class SimulatedEngine:
         self._loop: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self.just_finished: list[_SimRequest] = []
+        self._finished = FinishedWindows()
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> SimulatedEngine:
@@ -200,8 +202,17 @@ class SimulatedEngine:
 
     def request_acceptance(self) -> RequestWindows:
         """Each running request's recent verify outcomes, as vLLM's engine reports them."""
-        slots = np.flatnonzero(self._window_len)
-        oldest_first = (self._totals.steps + np.arange(REQUEST_WINDOW)) % REQUEST_WINDOW
+        return self._windows_of(np.flatnonzero(self._window_len), self._totals.steps)
+
+    def finished_acceptance(self) -> tuple[RequestWindows, dict[str, str]]:
+        """The last outcomes of the requests that finished since the last call, and their
+        classes."""
+        return self._finished.drain()
+
+    def _windows_of(self, slots: np.ndarray, steps: int) -> RequestWindows:
+        """The outcomes of the requests in `slots`, oldest first, once `steps` steps have
+        written theirs."""
+        oldest_first = (steps + np.arange(REQUEST_WINDOW)) % REQUEST_WINDOW
         accepted, drafted = self._window[:, slots][:, :, oldest_first]
         kept = np.minimum(self._window_len[slots], REQUEST_WINDOW)
         # A reused slot's ring still holds its previous request's outcomes before these.
@@ -268,6 +279,11 @@ class SimulatedEngine:
             entry.generated += int(tokens[slot])
             entry.queue.put_nowait(((0,) * int(tokens[slot]), bool(finished[slot])))
         self.just_finished = []
+        if finished.any():
+            slots = np.flatnonzero(finished)
+            self._finished.add(self._windows_of(slots, self._totals.steps + 1), {
+                self._slot_request[slot]: self._slots[slot].request.request_class
+                for slot in slots.tolist()})
         for slot in np.flatnonzero(finished).tolist():
             entry = self._slots[slot]
             entry.generated = entry.request.max_tokens

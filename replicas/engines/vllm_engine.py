@@ -26,6 +26,7 @@ from replicas.engines.base import (
     REQUEST_WINDOW,
     EngineCounters,
     EngineInputError,
+    FinishedWindows,
     GenerationChunk,
     GenerationRequest,
     StepRecord,
@@ -240,6 +241,7 @@ class VllmEngine:
         self.replica_rank = replica_rank
         self._llm: AsyncLLM | None = None
         self._steps = _StepLog(self.kmax)
+        self._finished = FinishedWindows()
 
     @property
     def llm(self) -> AsyncLLM:
@@ -361,14 +363,20 @@ class VllmEngine:
                     finish_reason=completion.finish_reason if output.finished else None,
                     logprobs=_logprobs(completion.logprobs))
         finally:
-            self._steps.windows.pop(request.request_id, None)
+            window = self._steps.windows.pop(request.request_id, None)
+            if window:
+                self._finished.add(RequestWindows.of([_acceptance(request.request_id, window)]),
+                                   {request.request_id: request.request_class})
 
     def request_acceptance(self) -> RequestWindows:
         """The running requests' recent verify outcomes, as the scheduler counted them."""
-        return RequestWindows.of([
-            RequestAcceptance(request_id=rid, accepted=tuple(a for a, _ in window),
-                              drafted=tuple(d for _, d in window))
-            for rid, window in self._steps.windows.items() if window])
+        return RequestWindows.of([_acceptance(rid, window)
+                                  for rid, window in self._steps.windows.items() if window])
+
+    def finished_acceptance(self) -> tuple[RequestWindows, dict[str, str]]:
+        """The last outcomes of the requests that finished since the last call, and their
+        classes."""
+        return self._finished.drain()
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
@@ -387,6 +395,11 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+def _acceptance(request_id: str, window: deque[tuple[int, int]]) -> RequestAcceptance:
+    return RequestAcceptance(request_id=request_id, accepted=tuple(a for a, _ in window),
+                             drafted=tuple(d for _, d in window))
 
 
 def _logprobs(entries: Any) -> tuple[dict[int, float], ...] | None:
