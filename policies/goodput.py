@@ -138,71 +138,74 @@ class StepCostModel:
     batch size: it follows the knee between the memory-bound regime (flat in batch x K) and
     the compute-bound one, which one straight line would smear.
 
-    The table holds each point at a common level, and a prediction is the point times the
-    machine's current `level`. Step wall times on a shared machine drift by tens of percent
-    as other processes come and go, and a table of raw times compares a tier measured in a
-    slow spell with one measured in a fast spell: over HTTP a replica priced K=15's steps at
-    18-27 ms where the decisions around it priced 10-14 ms, and left K=15 for K=7 in a copy
-    phase. So each step first
-    moves the level (the ratio of its time to its point's, over about the last
-    `LEVEL_STEPS` steps), then its point by the step's time over the level: a slow spell
-    lifts every tier's price alike and leaves their ratios, the shape, to the points. The
-    level is quick (a few steps) and the points slow, so a spell moves the points little;
-    a quick level's jitter scales every tier alike, which leaves the choice of K as it is.
-
-    Step times also jitter step to step, so two rules keep noise from choosing the tier:
+    Step wall times on a shared machine jitter by tens of percent, so two rules keep noise
+    from choosing the tier:
     - a point is a running mean that becomes an EWMA (a new step weighs at least 1 - decay);
       a batch size seen for the first time starts from what its neighbours predict, worth
       `PRIOR_STEPS` steps, rather than from one raw sample;
     - at a batch size, predictions never fall as K grows (verifying more tokens does not cost
       less): a deep tier that looked cheap by luck would otherwise win with nothing accepted.
 
-    A profile (`seed`) gives the shape across batch and K at level 1: in the serving app a
+    A profile (`seed`) gives the shape across batch and K, not the level: in the serving app a
     step also carries prefills, streaming and the other processes on the machine, and costs
-    more than the engine alone in `bench.engine_bench`. The level scales the profile too, so
-    a tier not yet measured does not look cheap for that reason alone (the policy would
-    cycle through the unmeasured tiers, each measurement making the next one the best).
+    more than the engine alone in `bench.engine_bench`. Unscaled, every tier not yet measured
+    would look cheap, and the policy would cycle through them (each measurement making the
+    next unmeasured tier the best). So profiled points not yet measured are scaled by the
+    running ratio of measured steps to what the profile predicts for them.
     """
 
     PRIOR_STEPS = 4.0
-    LEVEL_STEPS = 4.0
 
     def __init__(self, decay: float):
         self.max_weight = math.inf if decay >= 1 else 1 / (1 - decay)
-        self._points: dict[int, dict[int, _CostPoint]] = {}  # k -> batch -> point, level 1
-        self.level, self._level_weight = 1.0, 0.0
-        """A step's time over its point's (1 until a step lands on a known point)."""
+        self._points: dict[int, dict[int, _CostPoint]] = {}  # k -> batch -> point
+        self._profile: dict[int, dict[int, float]] = {}  # k -> batch -> profiled seconds
+        self._profiled: dict[tuple[int, int], float | None] = {}  # (batch, k) -> prediction
+        self.scale, self._scale_weight = 1.0, self.PRIOR_STEPS
+        """Measured step time over the profile's prediction (1 without a profile)."""
 
     def seed(self, cost: StepCost) -> None:
         """A profiled point, worth `PRIOR_STEPS` measured steps."""
-        self._points.setdefault(cost.k, {})[cost.batch] = _CostPoint(cost.seconds,
-                                                                      self.PRIOR_STEPS)
+        self._points.setdefault(cost.k, {})[cost.batch] = _CostPoint(
+            cost.seconds, self.PRIOR_STEPS, measured=False)
+        self._profile.setdefault(cost.k, {})[cost.batch] = cost.seconds
+        self._profiled.clear()
 
     def observe(self, cost: StepCost) -> None:
         if cost.seconds <= 0 or cost.batch <= 0:
             return
+        profiled = self._profiled_seconds(cost.batch, cost.k)
+        if profiled is not None:
+            self._scale_weight = min(self._scale_weight + 1, self.max_weight)
+            self.scale += (cost.seconds / profiled - self.scale) / self._scale_weight
         point = self._points.get(cost.k, {}).get(cost.batch)
-        if point is not None:  # a step on a known point measures the level
-            self._level_weight = min(self._level_weight + 1, self.LEVEL_STEPS)
-            self.level += (cost.seconds / point.seconds - self.level) / self._level_weight
-        seconds = cost.seconds / self.level
-        if point is None:
-            guess = _predict_row(self._points, _seconds, cost.batch, (cost.k,)).get(cost.k)
-            point = _CostPoint(seconds, 0.0) if guess is None else \
+        if point is None or not point.measured:
+            guess = self.predict(cost.batch, cost.k)
+            point = _CostPoint(cost.seconds, 0.0) if guess is None else \
                 _CostPoint(guess, self.PRIOR_STEPS)
             self._points.setdefault(cost.k, {})[cost.batch] = point
         point.weight = min(point.weight + 1, self.max_weight)
-        point.seconds += (seconds - point.seconds) / point.weight
+        point.seconds += (cost.seconds - point.seconds) / point.weight
+
+    def _profiled_seconds(self, batch: int, k: int) -> float | None:
+        """What the profile alone predicts for a step (None without a profile); memoised:
+        every observed step asks, and the profile only changes when seeded."""
+        key = (batch, k)
+        if key not in self._profiled:
+            self._profiled[key] = _predict_row(self._profile, float, batch, (k,)).get(k)
+        return self._profiled[key]
 
     def known(self) -> list[int]:
         return sorted(self._points)
+
+    def _value(self, point: _CostPoint) -> float:
+        return point.seconds if point.measured else point.seconds * self.scale
 
     def predict_row(self, batch: int, ks: tuple[float, ...]) -> dict[float, float]:
         """Seconds of a step of `batch` sequences at each depth in `ks` (empty before any
         measurement or profile); an unmeasured depth is interpolated (or extrapolated)
         linearly in K between known neighbours."""
-        return {k: seconds * self.level
-                for k, seconds in _predict_row(self._points, _seconds, batch, ks).items()}
+        return _predict_row(self._points, self._value, batch, ks)
 
     def predict(self, batch: int, k: float) -> float | None:
         return self.predict_row(batch, (k,)).get(k)
@@ -211,13 +214,10 @@ class StepCostModel:
 @dataclass(slots=True)
 class _CostPoint:
     seconds: float
-    """At level 1 (see `StepCostModel`)."""
     weight: float
     """How many steps the mean stands for (capped: an EWMA from then on)."""
-
-
-def _seconds(point: _CostPoint) -> float:
-    return point.seconds
+    measured: bool = True
+    """False while the point is only profiled (its level is then scaled)."""
 
 
 def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], batch: int,
