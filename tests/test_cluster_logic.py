@@ -365,6 +365,7 @@ def test_a_replica_learns_the_class_of_requests_that_finish_between_two_periods(
     request's window, with its class, until read). Read once: the next period has none."""
     engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, max_num_seqs=4)
     asyncio.run(engine.set_k(3))
+    assert len(period_windows(engine, {})[0]) == 0  # a replica's first period: a reader
     for i in range(2):
         engine.submit(GenerationRequest(f"r{i}", prompt="a b c", max_tokens=12 + 4 * i,
                                         request_class="high"))

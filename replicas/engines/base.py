@@ -106,19 +106,20 @@ FINISHED_KEPT = 256
 
 class FinishedWindows:
     """The last verify outcomes of requests that finished, each with its request class,
-    until read (`drain`); the last `FINISHED_KEPT` batches of them when nobody reads."""
+    until read (`drain`); the last `FINISHED_KEPT` batches of them between two reads. Kept
+    only once a reader has read: an engine nobody reads (the cluster simulation's modes
+    that learn no classes, 512 replicas at a time) keeps nothing."""
 
     def __init__(self) -> None:
-        self._batches: deque[tuple[RequestWindows, dict[str, str]]] = \
-            deque(maxlen=FINISHED_KEPT)
+        self._batches: deque[tuple[RequestWindows, dict[str, str]]] | None = None
 
     def add(self, windows: RequestWindows, class_of: dict[str, str]) -> None:
-        if len(windows):
+        if self._batches is not None and len(windows):
             self._batches.append((windows, class_of))
 
     def drain(self) -> tuple[RequestWindows, dict[str, str]]:
         """The windows kept since the last call, and request id -> class for their rows."""
-        batches, self._batches = self._batches, deque(maxlen=FINISHED_KEPT)
+        batches, self._batches = self._batches or (), deque(maxlen=FINISHED_KEPT)
         return (RequestWindows.joined([windows for windows, _ in batches]),
                 {rid: cls for _, class_of in batches for rid, cls in class_of.items()})
 
@@ -134,8 +135,6 @@ def period_windows(engine: Any, class_of: Mapping[str, str]
     if finished_acceptance is None:
         return running, class_of
     finished, finished_class = finished_acceptance()
-    if not len(finished):
-        return running, class_of
     return RequestWindows.joined([running, finished]), {**class_of, **finished_class}
 
 

@@ -279,12 +279,12 @@ class SimulatedEngine:
             entry.generated += int(tokens[slot])
             entry.queue.put_nowait(((0,) * int(tokens[slot]), bool(finished[slot])))
         self.just_finished = []
-        if finished.any():
-            slots = np.flatnonzero(finished)
+        slots = np.flatnonzero(finished)
+        if slots.size:
             self._finished.add(self._windows_of(slots, self._totals.steps + 1), {
                 self._slot_request[slot]: self._slots[slot].request.request_class
                 for slot in slots.tolist()})
-        for slot in np.flatnonzero(finished).tolist():
+        for slot in slots.tolist():
             entry = self._slots[slot]
             entry.generated = entry.request.max_tokens
             entry.done = True
