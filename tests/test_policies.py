@@ -9,18 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.batch_table import lookup
-from policies.ema import EmaConfig, EmaPolicy
-from policies.goodput import (
+from policies.acceptance import (
     AcceptanceWindow,
     BatchAcceptance,
-    DraftFill,
-    GoodputConfig,
-    GoodputPolicy,
-    StepCostModel,
     batch_acceptance,
     steady_lengths,
 )
+from policies.batch_table import lookup
+from policies.ema import EmaConfig, EmaPolicy
+from policies.goodput import GoodputConfig, GoodputPolicy
 from policies.registry import POLICY_NAMES, build_policy
 from policies.signals import (
     ClusterView,
@@ -31,6 +28,7 @@ from policies.signals import (
     StepCost,
 )
 from policies.stability import StabilityConfig, StabilityPolicy, request_lengths
+from policies.step_cost import DraftFill, StepCostModel
 
 CANDIDATES = (0, 1, 3, 7, 15)
 
