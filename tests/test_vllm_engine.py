@@ -20,6 +20,7 @@ from bench.workloads import COPY_PROMPT, FREE_PROMPTS
 from replicas.engines.base import EngineInputError, GenerationRequest
 from replicas.engines.spec import DEMO_TARGET, REPO_ROOT, EngineSpec
 from replicas.engines.vllm_engine import (
+    SETTLE_STEPS,
     VllmEngine,
     _StepLog,
     cpu_bind_for_rank,
@@ -152,6 +153,22 @@ async def test_set_k_sets_drafted_tokens_per_step(ngram_engine, k):
     for step in drafting:
         assert sum(step.drafted_per_pos) == step.draft_tokens
         assert not any(step.drafted_per_pos[k:]), "nothing drafted beyond K"
+
+
+async def test_the_steps_after_a_tier_switch_are_not_timed(ngram_engine):
+    """A switch's own work (the engine core's utility call) lands in the wall time of the
+    step after it: the first `SETTLE_STEPS` steps that would be timed after a switch are not,
+    so a tier visited for a few steps is not priced by its switch; the steps after them are."""
+    await ngram_engine.set_k(1)
+    await ngram_engine.set_k(3)
+    await asyncio.sleep(0)
+    ngram_engine.drain_steps()
+    await generate_ids(ngram_engine, greedy(COPY_PROMPT, max_tokens=32))
+    busy = [s for s in ngram_engine.drain_steps() if s.running]
+    assert len(busy) > 2 + SETTLE_STEPS
+    # The first step after idle has no measurable time, then the settling steps.
+    assert [s.wall_s for s in busy[:1 + SETTLE_STEPS]] == [0.0] * (1 + SETTLE_STEPS)
+    assert all(s.wall_s > 0 for s in busy[1 + SETTLE_STEPS:])
 
 
 async def test_steps_that_prefill_a_prompt_are_marked(ngram_engine):
