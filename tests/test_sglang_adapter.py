@@ -1,11 +1,12 @@
 """The SGLang adapter's engine-independent part (SGLang itself needs a GPU: not run here)."""
 
+from replicas.engines.base import MAX_STEP_GAP_S, SETTLE_STEPS, StepTimer
 from replicas.engines.sglang_engine import step_from_verify
 
 
 def test_verify_record_becomes_unbiased_step_record():
     step = step_from_verify({"running": 3, "k": 3, "wall_s": 0.02, "accepted": [3, 0, 1]},
-                            kmax=7)
+                            kmax=7, timer=StepTimer())
     assert (step.drafts, step.draft_tokens, step.accepted_tokens) == (3, 9, 4)
     assert step.accepted_per_pos == (2, 1, 1, 0, 0, 0, 0)
     assert step.drafted_per_pos == (3, 3, 3, 0, 0, 0, 0)
@@ -13,6 +14,22 @@ def test_verify_record_becomes_unbiased_step_record():
 
 
 def test_plain_decoding_step_drafts_nothing():
-    step = step_from_verify({"running": 2, "k": 0, "wall_s": 0.01, "accepted": [0, 0]}, kmax=3)
+    step = step_from_verify({"running": 2, "k": 0, "wall_s": 0.01, "accepted": [0, 0]}, kmax=3,
+                            timer=StepTimer())
     assert (step.drafts, step.draft_tokens, step.accepted_tokens) == (0, 0, 0)
     assert step.generated_tokens == 2
+
+
+def test_idle_gaps_and_the_steps_after_a_switch_are_not_timed():
+    """SGLang's hook times a verify from the one before it: a gap that was idle time is not a
+    step, and the first steps after a tier switch carry the switch, as on vLLM."""
+    timer = StepTimer()
+
+    def wall(seconds: float) -> float:
+        record = {"running": 2, "k": 3, "wall_s": seconds, "accepted": [1, 2]}
+        return step_from_verify(record, kmax=7, timer=timer).wall_s
+
+    assert wall(0.02) == 0.02
+    assert wall(MAX_STEP_GAP_S + 1) == 0.0
+    timer.switched()
+    assert [wall(0.02) for _ in range(SETTLE_STEPS + 1)] == [0.0] * SETTLE_STEPS + [0.02]

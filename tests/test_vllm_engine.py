@@ -17,10 +17,9 @@ import psutil
 import pytest
 
 from bench.workloads import COPY_PROMPT, FREE_PROMPTS
-from replicas.engines.base import EngineInputError, GenerationRequest
+from replicas.engines.base import SETTLE_STEPS, EngineInputError, GenerationRequest
 from replicas.engines.spec import DEMO_TARGET, REPO_ROOT, EngineSpec
 from replicas.engines.vllm_engine import (
-    SETTLE_STEPS,
     VllmEngine,
     _StepLog,
     cpu_bind_for_rank,

@@ -26,6 +26,7 @@ from replicas.engines.base import (
     GenerationChunk,
     GenerationRequest,
     StepRecord,
+    StepTimer,
 )
 from replicas.engines.sglang_hooks import SET_K_RPC, STEP_SOCKET_ENV
 from replicas.engines.spec import EngineSpec
@@ -34,12 +35,13 @@ from replicas.engines.spec import EngineSpec
 ALGORITHMS = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
 
 
-def step_from_verify(record: dict[str, Any], kmax: int) -> StepRecord:
-    """One SGLang verify step (per-request accepted drafts) as our StepRecord."""
+def step_from_verify(record: dict[str, Any], kmax: int, timer: StepTimer) -> StepRecord:
+    """One SGLang verify step (per-request accepted drafts) as our StepRecord, its wall time
+    kept as `timer` says."""
     k, accepted = record["k"], record["accepted"]
     drafts = len(accepted) if k else 0
     return StepRecord(
-        running=record["running"], waiting=0, k=k, wall_s=record["wall_s"],
+        running=record["running"], waiting=0, k=k, wall_s=timer.measured(record["wall_s"]),
         drafts=drafts, draft_tokens=drafts * k, accepted_tokens=sum(accepted) if k else 0,
         accepted_per_pos=tuple(sum(1 for a in accepted if a > pos) if k else 0
                                for pos in range(kmax)),
@@ -63,6 +65,7 @@ class SglangEngine:
         self._totals = EngineCounters(accepted_per_pos=[0] * spec.kmax,
                                       drafted_per_pos=[0] * spec.kmax)
         self._k = spec.kmax
+        self._timer = StepTimer()
         self._receiver: asyncio.Task | None = None
         self._socket: Any = None
 
@@ -92,7 +95,7 @@ class SglangEngine:
     async def _receive_steps(self) -> None:
         while True:
             record = json.loads(await self._socket.recv())
-            step = step_from_verify(record, self.kmax)
+            step = step_from_verify(record, self.kmax, self._timer)
             self._records.append(step)
             self._totals.add(step)
 
@@ -102,6 +105,7 @@ class SglangEngine:
         # collective_rpc blocks until the scheduler has run the call between two batches.
         await asyncio.to_thread(self._engine.collective_rpc, SET_K_RPC, k=k)
         self._k = k
+        self._timer.switched()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         params = {"max_new_tokens": request.max_tokens, "temperature": request.temperature,

@@ -30,6 +30,7 @@ from replicas.engines.base import (
     GenerationChunk,
     GenerationRequest,
     StepRecord,
+    StepTimer,
 )
 from replicas.engines.spec import REPO_ROOT, EngineSpec
 
@@ -38,15 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A gap longer than this between two busy steps is idle time, not a step.
-MAX_STEP_GAP_S = 5.0
-# Steps after a tier switch left untimed (of those that would be timed). The first one's wall
-# time carries the switch (the
-# engine core's utility call between two steps): over HTTP it took 9.3 ms on average against
-# 7.8 ms for steady steps, 18-25 ms at p90. Timed, a tier the policy visits for a few steps
-# (a probe) is priced by its switch: `goodput` priced K=1 at batch 1 at 5.5-6.7 ms against
-# K=0's 3.8-5.5 ms, where the engine alone measures 3.2-3.5 against 3.0 ms.
-SETTLE_STEPS = 2
 
 
 def cpu_bind_for_rank(rank: int, threads: int, cores: int) -> str:
@@ -161,8 +153,8 @@ class _StepLog:
         self.request_states: dict[str, Any] = {}
         # Per-request draft caps in force (request id -> most drafts a step).
         self.draft_caps: dict[str, int] = {}
-        # Steps still to leave untimed after a tier switch (see `SETTLE_STEPS`).
-        self.settling = 0
+        # Which step wall times are kept (not idle gaps, not the steps after a switch).
+        self.timer = StepTimer()
 
     def collect_outcomes(self) -> None:
         """Move the step's per-request verify outcomes (attached by `vllm_hooks`) into the
@@ -183,12 +175,7 @@ class _StepLog:
         now = time.perf_counter()
         # The engine steps back to back while it has work, so the gap between two busy steps
         # is the step's wall time; the first step after idle has no measurable time (0).
-        wall = 0.0
-        if self._last_busy_at is not None and now - self._last_busy_at < MAX_STEP_GAP_S:
-            wall = now - self._last_busy_at
-        if wall and self.settling:
-            self.settling -= 1
-            wall = 0.0
+        wall = 0.0 if self._last_busy_at is None else self.timer.measured(now - self._last_busy_at)
         self._last_busy_at = now if running else None
 
         accepted_pos = drafted_pos = (0,) * self.kmax
@@ -309,7 +296,7 @@ class VllmEngine:
             return
         await self.llm.engine_core.call_utility_async(SET_K_UTILITY, k)
         self._steps.k = k
-        self._steps.settling = SETTLE_STEPS
+        self._steps.timer.switched()
 
     @property
     def applies_draft_caps(self) -> bool:
