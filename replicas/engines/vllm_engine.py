@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
 def cpu_bind_for_rank(rank: int, threads: int, cores: int) -> str:
     """OMP core range for replica `rank`: consecutive blocks of `threads` cores, wrapping.
 
