@@ -183,7 +183,6 @@ class Signals:
     step_costs: tuple[StepCost, ...] = ()
     requests: RequestWindows = field(default_factory=RequestWindows, compare=False)
     cluster: ClusterView | None = None
-    now_s: float = 0.0
     max_batch: int | None = None
     """The most sequences the engine runs in one step (its max_num_seqs), when known."""
     class_prior: tuple[float, ...] = ()

@@ -22,7 +22,7 @@ from replicas.tier_pool import TierPool, TierSwitch
 
 def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: int,
                cluster: ClusterView | None = None,
-               requests: RequestWindows | None = None, now_s: float = 0.0,
+               requests: RequestWindows | None = None,
                max_batch: int | None = None,
                class_prior: ClassPrior | None = None,
                draft_caps_apply: bool = False, new_class: bool = False,
@@ -66,7 +66,7 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         step_costs=tuple(StepCost(s.running, s.draft_depth, s.wall_s)
                          for s in steps if s.times_decoding),
         requests=RequestWindows() if requests is None else requests, cluster=cluster,
-        now_s=now_s, max_batch=max_batch,
+        max_batch=max_batch,
         class_prior=class_prior.rates, class_prior_fresh=class_prior.fresh,
         request_priors=tuple(class_prior.request_rates(request_id)
                              for request_id in requests.request_ids)
@@ -137,7 +137,7 @@ class ControlLoop:
         engine_requests = self._request_acceptance() if self._request_acceptance and \
             self.policy.reads_requests else None
         signals = fold_steps(self._pending, self.pool.candidates, self.pool.active_k,
-                             cluster, engine_requests, time.monotonic(), self.max_batch,
+                             cluster, engine_requests, self.max_batch,
                              class_prior, self._applies_caps, arrived, self._last_step)
         self._pending = []
         started = time.perf_counter()

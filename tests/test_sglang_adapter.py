@@ -31,5 +31,5 @@ def test_idle_gaps_and_the_steps_after_a_switch_are_not_timed():
 
     assert wall(0.02) == 0.02
     assert wall(MAX_STEP_GAP_S + 1) == 0.0
-    timer.switched()
+    timer.control_call()
     assert [wall(0.02) for _ in range(SETTLE_STEPS + 1)] == [0.0] * SETTLE_STEPS + [0.02]

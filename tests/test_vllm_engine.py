@@ -154,12 +154,18 @@ async def test_set_k_sets_drafted_tokens_per_step(ngram_engine, k):
         assert not any(step.drafted_per_pos[k:]), "nothing drafted beyond K"
 
 
-async def test_the_steps_after_a_tier_switch_are_not_timed(ngram_engine):
-    """A switch's own work (the engine core's utility call) lands in the wall time of the
-    step after it: the first `SETTLE_STEPS` steps that would be timed after a switch are not,
-    so a tier visited for a few steps is not priced by its switch; the steps after them are."""
-    await ngram_engine.set_k(1)
+@pytest.mark.parametrize("call", ["tier switch", "draft caps"])
+async def test_the_steps_after_a_control_call_are_not_timed(ngram_engine, call):
+    """A control call (the engine core's utility call between two steps) lands in the wall
+    time of the step after it: the first `SETTLE_STEPS` steps that would be timed after a
+    tier switch or new draft caps are not, so a tier visited for a few steps is not priced
+    by its switch; the steps after them are."""
     await ngram_engine.set_k(3)
+    await generate_ids(ngram_engine, greedy(COPY_PROMPT, max_tokens=16))  # settles the switch
+    if call == "tier switch":
+        await ngram_engine.set_k(1)
+    else:
+        await ngram_engine.set_draft_caps({})
     await asyncio.sleep(0)
     ngram_engine.drain_steps()
     await generate_ids(ngram_engine, greedy(COPY_PROMPT, max_tokens=32))

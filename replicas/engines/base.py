@@ -101,9 +101,10 @@ class StepRecord:
 
 # A gap longer than this between two busy steps is idle time, not a step.
 MAX_STEP_GAP_S = 5.0
-# Steps after a tier switch left untimed (of those that would be timed). The first one's wall
-# time carries the switch (vLLM: the engine core's utility call between two steps; over HTTP
-# it took 9.3 ms on average against 7.8 ms for steady steps, 18-25 ms at p90). Timed, a tier
+# Steps after a control call (a tier switch, new draft caps) left untimed, of those that would
+# be timed. The first one's wall time carries the call (vLLM: the engine core's utility call
+# between two steps; after a switch, over HTTP, it took 9.3 ms on average against 7.8 ms for
+# steady steps, 18-25 ms at p90; after new caps 15 ms against 7.4). Timed, a tier
 # the policy visits for a few steps (a probe) is priced by its switch: `goodput` priced K=1
 # at batch 1 at 5.5-6.7 ms against K=0's 3.8-5.5 ms, where the engine alone measures 3.2-3.5
 # against 3.0 ms.
@@ -112,16 +113,17 @@ SETTLE_STEPS = 2
 
 class StepTimer:
     """Which step wall times an engine's step log keeps (the rest it records as 0, untimed):
-    not an idle gap, and not the first `SETTLE_STEPS` steps after a tier switch."""
+    not an idle gap, and not the first `SETTLE_STEPS` steps after a control call."""
 
     def __init__(self) -> None:
         self.settling = 0
 
-    def switched(self) -> None:
+    def control_call(self) -> None:
+        """A tier switch or new draft caps went to the engine between two steps."""
         self.settling = SETTLE_STEPS
 
     def measured(self, wall_s: float) -> float:
-        """`wall_s`, or 0 for a gap that was idle time or a step that carries a switch."""
+        """`wall_s`, or 0 for a gap that was idle time or a step that carries a call."""
         if wall_s <= 0 or wall_s >= MAX_STEP_GAP_S:
             return 0.0
         if self.settling:

@@ -105,7 +105,7 @@ class SglangEngine:
         # collective_rpc blocks until the scheduler has run the call between two batches.
         await asyncio.to_thread(self._engine.collective_rpc, SET_K_RPC, k=k)
         self._k = k
-        self._timer.switched()
+        self._timer.control_call()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         params = {"max_new_tokens": request.max_tokens, "temperature": request.temperature,

@@ -152,7 +152,7 @@ class _StepLog:
         self.request_states: dict[str, Any] = {}
         # Per-request draft caps in force (request id -> most drafts a step).
         self.draft_caps: dict[str, int] = {}
-        # Which step wall times are kept (not idle gaps, not the steps after a switch).
+        # Which step wall times are kept (not idle gaps, not the steps after a control call).
         self.timer = StepTimer()
 
     def collect_outcomes(self) -> None:
@@ -295,7 +295,7 @@ class VllmEngine:
             return
         await self.llm.engine_core.call_utility_async(SET_K_UTILITY, k)
         self._steps.k = k
-        self._steps.timer.switched()
+        self._steps.timer.control_call()
 
     @property
     def applies_draft_caps(self) -> bool:
@@ -318,6 +318,7 @@ class VllmEngine:
                     if state.external_req_id in caps}
         await self.llm.engine_core.call_utility_async(SET_CAPS_UTILITY, internal)
         self._steps.draft_caps = dict(caps)
+        self._steps.timer.control_call()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         from vllm.exceptions import VLLMClientError
