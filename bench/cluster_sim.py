@@ -42,6 +42,12 @@ each hour: every replica's first moves from its starting tier, and the walk back
 as the queues drain after the last arrival. The steady window is what a long-running fleet
 would see. At the smaller fleets the goodput modes run again told the SLO's bound on time per
 output token (`tpot_slo_ms`), against themselves without it.
+
+Goodput at one offered load separates the modes only where some of them miss the SLO, and
+near overload a small difference in throughput becomes a large one in goodput. So at one
+fleet size (`--capacity-at`) each mode's capacity at the SLO is also found: the most
+requests a second per replica, the burst pattern scaled, at which 90% of requests meet it
+(DistServe's definition of goodput; `slo_capacity`).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import argparse
 import asyncio
 import heapq
 import json
+import math
 import os
 import random
 import statistics
@@ -84,6 +91,10 @@ CLUSTER = ("goodput_cluster", "goodput_routed")
 ORACLE = "oracle_k"
 MODES = (*STATIC, *LOCAL, *CLUSTER, ORACLE)
 TELEMETRY_PERIOD_S = 0.5  # as the replica deployment's hub exchange
+# The capacity search: rates found to this many requests/s per replica, from the load's own
+# rate, stepped by this factor until the attainment target is bracketed.
+CAPACITY_RESOLUTION = 0.05
+CAPACITY_STEP = 1.25
 # Switches before this are start-up moves (every mode starts on one tier; `ema`'s slots
 # leave their warm-up batches and first updates within it), not the steady rate.
 WARMUP_S = 3.0
@@ -560,6 +571,9 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
              "over the TPOT bound",
              "switches / replica-hour", "steady switches / replica-hour",
              "goodput / best local-only without"], rows))
+    for n, run in runs.items():
+        if "capacity" in run:
+            parts.append(capacity_table(n, run["capacity"]))
     shares = next(iter(runs.values()))["token_shares"]
     bounds = {b: gathering_bound(PRESETS[PRESET], shares, b) for b in (16, 32, 64)}
     parts.append(print_table(
@@ -571,13 +585,36 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
     return "\n\n".join(parts)
 
 
+def capacity_table(replicas: int, capacity: dict[str, Any]) -> str:
+    modes = capacity["modes"]
+    best_static = max(modes[m]["rate_per_replica"] for m in STATIC)
+    best_local = max(modes[m]["rate_per_replica"] for m in LOCAL)
+
+    def ratio(rate: float, best: float) -> str:
+        return f"{rate / best:.3f}" if best else "-"
+
+    rows = [[m, f"{r['rate_per_replica']:.2f}", f"{r['offered_tok_s_per_replica']:.0f}",
+             f"{r['slo_attainment']:.1%}", ratio(r["rate_per_replica"], best_local),
+             ratio(r["rate_per_replica"], best_static), r["simulations"]]
+            for m, r in modes.items()]
+    return print_table(
+        f"CAPACITY AT THE SLO ({replicas} replicas, {capacity['duration_s']:.0f} s of "
+        f"arrivals, first seed: the most requests/s per replica, this burst pattern scaled, "
+        f"at which {capacity['attainment']:.0%} of requests meet the SLO; to "
+        f"{CAPACITY_RESOLUTION} requests/s)",
+        ["mode", "requests/s per replica", "offered tok/s per replica", "SLO met there",
+         "/ best local-only", "/ best static", "simulations"], rows)
+
+
 def plot(runs: dict[int, dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_g, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
+    capacity = next(((n, r["capacity"]) for n, r in runs.items() if "capacity" in r), None)
+    fig, axes = plt.subplots(1, 3 if capacity else 2, figsize=(18 if capacity else 12, 4.5))
+    ax_g, ax_s = axes[:2]
     scales = list(runs)
     width = 0.8 / len(MODES)
     for i, mode in enumerate(MODES):
@@ -592,6 +629,13 @@ def plot(runs: dict[int, dict[str, Any]], path: Path) -> None:
                       [f"{n} replicas" for n in scales])
         ax.set_title(title)
     ax_s.set_yscale("symlog")
+    if capacity:
+        n, found = capacity
+        for i, mode in enumerate(MODES):
+            axes[2].bar(i, found["modes"][mode]["rate_per_replica"], color=f"C{i}")
+        axes[2].set_xticks([])
+        axes[2].set_title(f"capacity at the SLO, {n} replicas (requests/s per replica at "
+                          f"which {found['attainment']:.0%} meet it)", fontsize=9)
     handles, labels = ax_g.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(MODES), fontsize=7)
     fig.suptitle("Cluster simulation (SIMULATOR engines, real router ranking and hub logic)")
@@ -622,6 +666,40 @@ def run_one(run: Run) -> dict[str, Any]:
                                    run.slo_ttft_s, run.slo_tpot_s, run.seed, run.switch_margin,
                                    run.tpot_bound))
     return summarise(outcome, run.replicas)
+
+
+def slo_capacity(run: Run, attainment: float) -> dict[str, Any]:
+    """The most requests a second per replica (`rate_per_replica`; the burst pattern scales
+    with it) at which at least `attainment` of the requests meet the SLO: DistServe's
+    goodput, the load a fleet takes at its SLO. Bisection over `run`'s own burst pattern,
+    from its rate, to `CAPACITY_RESOLUTION`; the attainment falls with the rate (the same
+    arrivals, sooner), so the bracket holds one crossing."""
+    tried: dict[float, float] = {}
+
+    def meets(rate: float) -> bool:
+        shape = replace(run.shape, rate_per_replica=rate)
+        tried[rate] = run_one(replace(run, shape=shape))["slo_attainment"]
+        return tried[rate] >= attainment
+
+    low, high, rate = 0.0, math.inf, run.shape.rate_per_replica
+    while math.isinf(high) or not low:
+        if meets(rate):
+            low, rate = rate, rate * CAPACITY_STEP
+        else:
+            high, rate = rate, rate / CAPACITY_STEP
+        if math.isfinite(high) and high < CAPACITY_RESOLUTION:
+            break  # not even a trickle meets the target
+    while high - low > CAPACITY_RESOLUTION:
+        middle = (low + high) / 2
+        if meets(middle):
+            low = middle
+        else:
+            high = middle
+    arrivals = workload(run.replicas, run.duration_s,
+                        replace(run.shape, rate_per_replica=low), run.seed) if low else []
+    return {"rate_per_replica": low, "slo_attainment": tried.get(low, 0.0),
+            "offered_tok_s_per_replica": sum(a.max_tokens for a in arrivals) /
+            run.duration_s / run.replicas, "simulations": len(tried)}
 
 
 def submit(pool: Executor, args: argparse.Namespace, shape: LoadShape, replicas: int,
@@ -659,6 +737,10 @@ def run_all(pool: Executor, args: argparse.Namespace) -> dict[int, dict[str, Any
             margins = {margin: submit(pool, args, shape, replicas, ["goodput_routed"], args.seed,
                                       duration, float(margin))
                        for margin in args.margins.split(",")}
+        capacity = {mode: pool.submit(slo_capacity, Run(
+            mode, replicas, args.capacity_duration, shape, args.seed, args.slo_ttft,
+            args.slo_tpot), args.capacity_attainment)
+            for mode in MODES} if every_mode and replicas == args.capacity_at else {}
         # The goodput modes again, told the SLO's bound on time per token (`tpot_slo_ms`).
         bounded = submit(pool, args, shape, replicas, [m for m in MODES if m.startswith(
             "goodput")], args.seed, duration, tpot_bound=True) if with_extras else {}
@@ -689,6 +771,10 @@ def run_all(pool: Executor, args: argparse.Namespace) -> dict[int, dict[str, Any
                               for margin, f in margins.items()}
         if bounded:
             run["tpot_bound"] = collect(bounded)
+        if capacity:
+            run["capacity"] = {"duration_s": args.capacity_duration,
+                               "attainment": args.capacity_attainment,
+                               "modes": collect(capacity)}
     return runs
 
 
@@ -731,6 +817,13 @@ def main() -> None:
     parser.add_argument("--margins", default="0.15,0.3,0.5",
                         help="at fleets up to --seeds-up-to replicas, also run goodput_routed "
                              "with these switch margins (seed --seed): what fewer switches cost")
+    parser.add_argument("--capacity-at", type=int, default=64,
+                        help="at this fleet size, also find each mode's capacity at the SLO: "
+                             "the most requests/s per replica (this burst pattern, scaled) at "
+                             "which --capacity-attainment of requests meet it (0: no)")
+    parser.add_argument("--capacity-attainment", type=float, default=0.9)
+    parser.add_argument("--capacity-duration", type=float, default=30.0,
+                        help="simulated seconds of arrivals of each capacity run")
     parser.add_argument("--jobs", type=positive, default=os.cpu_count() or 1,
                         help="simulations run at once, one per worker process (each is "
                              "single-threaded; default: one per core)")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 import pytest
 
 from bench.cluster_sim import (
+    CAPACITY_RESOLUTION,
     PRESET,
     WARMUP_S,
     LoadShape,
@@ -18,6 +20,7 @@ from bench.cluster_sim import (
     policy_for,
     run_one,
     simulate,
+    slo_capacity,
     summarise,
     workload,
 )
@@ -107,6 +110,25 @@ def test_the_goodput_modes_can_take_the_slos_bound_on_time_per_token(arrivals):
         (free["throughput"], free["switches_per_replica_hour"])
     for summary in (bounded, free):  # a request over the TPOT bound misses the SLO
         assert 0 <= summary["tpot_missed"] <= 1 - summary["slo_attainment"]
+
+
+def test_capacity_is_the_most_load_that_meets_the_attainment_target():
+    """The rate found meets the target, a clearly higher one does not, and a stricter target
+    takes no more load."""
+    run = Run("static3", REPLICAS, DURATION_S, LoadShape(), 1, 2.0, 0.02)
+
+    def attainment(rate: float) -> float:
+        return run_one(replace(run, shape=LoadShape(rate_per_replica=rate)))["slo_attainment"]
+
+    found = slo_capacity(run, 0.9)
+    rate = found["rate_per_replica"]
+    assert rate > CAPACITY_RESOLUTION
+    assert found["slo_attainment"] == attainment(rate) >= 0.9
+    assert attainment(1.5 * rate) < 0.9
+    assert found["offered_tok_s_per_replica"] == pytest.approx(sum(
+        a.max_tokens for a in workload(REPLICAS, DURATION_S, LoadShape(rate_per_replica=rate),
+                                       1)) / DURATION_S / REPLICAS)
+    assert slo_capacity(run, 0.99)["rate_per_replica"] <= rate
 
 
 def test_workload_is_bursty_and_skewed(arrivals):
