@@ -672,8 +672,9 @@ def slo_capacity(run: Run, attainment: float) -> dict[str, Any]:
     """The most requests a second per replica (`rate_per_replica`; the burst pattern scales
     with it) at which at least `attainment` of the requests meet the SLO: DistServe's
     goodput, the load a fleet takes at its SLO. Bisection over `run`'s own burst pattern,
-    from its rate, to `CAPACITY_RESOLUTION`; the attainment falls with the rate (the same
-    arrivals, sooner), so the bracket holds one crossing."""
+    from its rate: the attainment falls as the rate rises (not strictly: the bursts keep
+    their times while the arrivals between them come sooner), so what is found is a rate
+    that meets the target with one at most `CAPACITY_RESOLUTION` above it that does not."""
     tried: dict[float, float] = {}
 
     def meets(rate: float) -> bool:
@@ -821,7 +822,8 @@ def main() -> None:
                         help="at this fleet size, also find each mode's capacity at the SLO: "
                              "the most requests/s per replica (this burst pattern, scaled) at "
                              "which --capacity-attainment of requests meet it (0: no)")
-    parser.add_argument("--capacity-attainment", type=float, default=0.9)
+    parser.add_argument("--capacity-attainment", type=float, default=0.9,
+                        help="share of requests that must meet the SLO at capacity")
     parser.add_argument("--capacity-duration", type=float, default=30.0,
                         help="simulated seconds of arrivals of each capacity run")
     parser.add_argument("--jobs", type=positive, default=os.cpu_count() or 1,
