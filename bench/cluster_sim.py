@@ -467,6 +467,11 @@ def gathering_bound(preset: SimPreset, shares: dict[str, float], batch: int
     return mixed, gathered
 
 
+def offered_tok_s_per_replica(arrivals: list[Arrival], duration_s: float, replicas: int
+                              ) -> float:
+    return sum(a.max_tokens for a in arrivals) / duration_s / replicas
+
+
 def token_shares(arrivals: list[Arrival]) -> dict[str, float]:
     total = sum(a.max_tokens for a in arrivals)
     return {c: sum(a.max_tokens for a in arrivals if a.request_class == c) / total
@@ -699,8 +704,8 @@ def slo_capacity(run: Run, attainment: float) -> dict[str, Any]:
     arrivals = workload(run.replicas, run.duration_s,
                         replace(run.shape, rate_per_replica=low), run.seed) if low else []
     return {"rate_per_replica": low, "slo_attainment": tried.get(low, 0.0),
-            "offered_tok_s_per_replica": sum(a.max_tokens for a in arrivals) /
-            run.duration_s / run.replicas, "simulations": len(tried)}
+            "offered_tok_s_per_replica": offered_tok_s_per_replica(
+                arrivals, run.duration_s, run.replicas), "simulations": len(tried)}
 
 
 def submit(pool: Executor, args: argparse.Namespace, shape: LoadShape, replicas: int,
@@ -753,8 +758,9 @@ def run_all(pool: Executor, args: argparse.Namespace) -> dict[int, dict[str, Any
         arrivals = workload(replicas, duration, shape, args.seed)
         runs[replicas] = run = {
             "arrivals": len(arrivals), "duration_s": duration,
-            "offered_tok_s_per_replica": sum(a.max_tokens for a in arrivals) / duration /
-            replicas, "token_shares": token_shares(arrivals), "modes": results}
+            "offered_tok_s_per_replica": offered_tok_s_per_replica(arrivals, duration,
+                                                                   replicas),
+            "token_shares": token_shares(arrivals), "modes": results}
         if not every_mode:
             continue
         run["verdicts"] = verdicts(results)

@@ -69,7 +69,7 @@ class StepRecord:
     @property
     def times_decoding(self) -> bool:
         """Whether the wall time measures a decode step: timed (the first step after idle is
-        not, nor the first steps after a tier switch: see `StepTimer`) and
+        not, nor the first steps after a control call: see `StepTimer`) and
         free of prompt prefills, which cost several decode steps each (8 prompts
         at once: 84 ms against 12-25 ms for the decode steps after it, vLLM-CPU, batch 8)."""
         return self.wall_s > 0 and self.running > 0 and self.prefill_tokens == 0
