@@ -36,11 +36,12 @@ WORKLOADS = {
     # 0.842x the best static in one suite run, 1.14x static15 in a 16-request study of c1).
     # Both run several rounds, modes interleaved (medians): one phase of one mode moves by up
     # to 2x between runs on a 2-core machine (the sweep's goodput at concurrency 64 went from
-    # 0.68x to 1.24x static3 between two single runs). Five rounds each: the transition
-    # takes about 2 minutes a round, the sweep about 4 (with three, the sweep's per-round
-    # ratios spread 0.98-1.02x around a verdict line at 1.0, and one round moved the median).
-    "transition": ["--requests", "16", "--concurrency", "8", "--rounds", "5"],
-    "sweep": ["--requests", "16", "--rounds", "5"],
+    # 0.68x to 1.24x static3 between two single runs). Six rounds each, three pairs of the
+    # counterbalanced order (`transition.round_order`): the transition takes about 2 minutes
+    # a round, the sweep about 4.5 (with three, the sweep's per-round ratios spread
+    # 0.98-1.02x around a verdict line at 1.0, and one round moved the median).
+    "transition": ["--requests", "16", "--concurrency", "8", "--rounds", "6"],
+    "sweep": ["--requests", "16", "--rounds", "6"],
 }
 
 

@@ -208,15 +208,26 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     deployed = (await client.replicas())[0]["policy"]  # as deployed, before any mode changes it
     rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
     for round_ in range(args.rounds):  # modes interleaved, so a slow spell hits all of them
-        # Each round starts one mode later: no mode always runs first, or after the same one.
-        shift = round_ % len(args.modes)
-        for mode in args.modes[shift:] + args.modes[:shift]:
+        for mode in round_order(args.modes, round_):
             rounds[mode].append(await run_mode(client, mode, phases, args.warmup, origin,
                                                deployed))
     await client.http.aclose()
     return {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,
             "rounds": args.rounds, "phases": [p.name for p in phases],
             "modes": {mode: combine(runs) for mode, runs in rounds.items()}}
+
+
+def round_order(modes: list[str], round_: int) -> list[str]:
+    """The order of `modes` in round `round_` (from 0): counterbalanced in pairs of rounds.
+    An even round runs them rotated by one more mode than the even round before, the odd
+    round after it the reverse of that order. So over each pair every mode holds the mean
+    position (a speed that drifts steadily through a pair of rounds favours no mode), and
+    each mode follows one neighbour in one round and the other in the next. (A rotation
+    alone kept every mode behind the same one, `goodput` behind `ema` in the suite, and
+    left some modes early in most rounds of five.)"""
+    shift = round_ // 2 % len(modes)
+    order = modes[shift:] + modes[:shift]
+    return order[::-1] if round_ % 2 else order
 
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:

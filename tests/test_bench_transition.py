@@ -15,6 +15,7 @@ from bench.transition import (
     paired_ratios,
     plot,
     report,
+    round_order,
     select_phases,
     sweep_phases,
     typical_round,
@@ -38,6 +39,22 @@ def test_rounds_combine_into_medians_and_summed_errors() -> None:
     assert combined["errors"] == 3
     assert len(combined["timeline"]) == 3 and combined["started_s"] == [300, 500, 400]
     assert [r["throughput"] for r in combined["rounds"]] == [300, 500, 400]
+
+
+def test_rounds_are_counterbalanced_in_pairs() -> None:
+    """Over each pair of rounds every mode holds the same mean position (a steady drift of
+    the machine's speed favours none), follows a different mode in each round of the pair,
+    and the pairs start from different modes."""
+    modes = ["static0", "static1", "static3", "static7", "static15", "ema", "goodput"]
+    orders = [round_order(modes, r) for r in range(6)]
+    assert all(sorted(order) == sorted(modes) for order in orders)
+    for first, second in zip(orders[::2], orders[1::2], strict=True):
+        positions = {m: first.index(m) + second.index(m) for m in modes}
+        assert set(positions.values()) == {len(modes) - 1}
+        before = [{order[i]: order[i - 1] for i in range(1, len(order))}
+                  for order in (first, second)]
+        assert all(before[0][m] != before[1][m] for m in before[0] if m in before[1])
+    assert len({order[0] for order in orders[::2]}) == 3
 
 
 def test_report_compares_adaptive_modes_with_the_best_static_per_phase() -> None:
