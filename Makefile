@@ -42,7 +42,7 @@ lint: install
 # Every benchmark, then the README's result tables regenerated from bench/results/:
 # simulator replays and the cluster simulation (minutes), the vLLM engine benchmark (minutes),
 # and the HTTP benchmarks against `serve run serve_config.yaml`, started and stopped here
-# (about 45 minutes on 2 cores, the streaming one included).
+# (about 52 minutes on 2 cores, the streaming one included).
 bench: bench-replay bench-cluster bench-engine bench-http bench-stream
 	$(BIN)/python -m bench.readme_tables
 
