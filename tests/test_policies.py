@@ -156,6 +156,43 @@ def test_goodput_probes_again_after_a_long_stretch_at_zero():
     assert ks.count(1) == 1 and set(ks) == {0, 1}, "one probe of the smallest tier"
 
 
+def probe_steps(policy: GoodputPolicy, acceptance: float, decisions: int) -> list[int]:
+    """Engine steps (4 a decision) at which `policy`, held at K=0 on traffic whose drafts
+    land with `acceptance`, sends a probe."""
+    at, k = [], 0
+    for decision in range(decisions):
+        new = policy.decide(window(k, acceptance, batch=8)).k
+        if new > k:
+            at.append(4 * (decision + 1))
+        k = new
+    return at
+
+
+def test_goodput_probes_less_often_while_probes_find_nothing():
+    at = probe_steps(goodput(probe_interval_steps=40, max_probe_backoff=4), 0.0, 200)
+    gaps = np.diff(at).tolist()
+    # Each gap is the interval after the probe's dwell (8 steps) and return, so it grows as
+    # 40, 80, 160 and then stays at the cap.
+    assert len(gaps) >= 4 and gaps[0] < gaps[1] < gaps[2] == gaps[-1]
+    assert gaps[2] >= 4 * 40 and gaps[0] < 2 * 40
+    assert np.diff(probe_steps(goodput(probe_interval_steps=40, max_probe_backoff=1),
+                               0.0, 200)).max() < 2 * 40, "1 keeps the interval"
+
+
+def test_goodput_probe_interval_comes_back_when_a_probe_finds_drafts_landing():
+    policy = goodput(probe_interval_steps=40, max_probe_backoff=8)
+    assert probe_steps(policy, 0.0, 150)[-1] > 150 * 4 - 8 * 40 - 8, "still probing"
+    k, decisions = 0, 0
+    while k == 0:  # drafts land now: the next probe, at most 8 intervals on, finds them
+        k = policy.decide(window(k, 0.9, batch=8)).k
+        decisions += 1
+    assert 4 * decisions <= 8 * 40 + 8
+    for _ in range(10):
+        k = policy.decide(window(k, 0.9, batch=8)).k
+    assert k > 0, "the policy stays where the probe found drafts landing"
+    assert np.diff(probe_steps(policy, 0.0, 100)).min() < 2 * 40, "the interval is back"
+
+
 def test_goodput_probes_the_next_tier_when_nothing_measured_it():
     # Stuck at K=1 with mediocre first-position acceptance, the geometric extrapolation
     # never favours K=3; once an interval has passed it measures K=3, once.
