@@ -36,14 +36,13 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   (over HTTP, sampled text at concurrency 1: a median of 6 switches a round, from 20). A
   request of a new class does not restore it: at concurrency 1 every request is one (the
   replica held none at the decision before), and a class known to land drafts brings the
-  replica up by its hint, not by a probe. At K=0 the request classes
-  now on the replica are a hint too: when their past acceptance (the fleet's, else this
-  replica's) says a tier would win, the policy goes straight to the one it says wins instead
-  of waiting out the interval. An old prior does not replace the probe (a class's traffic
-  may change), a fresh one does: when another replica measured the next tier's positions for
-  the request classes now here within the last few telemetry periods (`class_prior_fresh`),
-  the probe would only repeat it, so the fleet probes a class about once an interval instead
-  of once per replica.
+  replica up by its hint, not by a probe. At K=0 the request classes now on the replica are
+  a hint too: when their past acceptance (the fleet's, else this replica's) says a tier would
+  win, the policy goes straight to the one it says wins instead of waiting out the interval.
+  An old prior does not replace the probe (a class's traffic may change), a fresh one does:
+  when another replica measured the next tier's positions for the request classes now here
+  within the last few telemetry periods (`class_prior_fresh`), the probe would only repeat it,
+  so the fleet probes a class about once an interval instead of once per replica.
 - A batch that mixes requests whose drafts land with requests whose drafts fail is scored by
   its steady state, from the per-request outcomes an engine reports (vLLM's and the
   simulator do; see `policies.acceptance.steady_lengths`): 1 + q * sum p[k] is the mean
