@@ -171,8 +171,8 @@ def probe_steps(policy: GoodputPolicy, acceptance: float, decisions: int) -> lis
 def test_goodput_probes_less_often_while_probes_find_nothing():
     at = probe_steps(goodput(probe_interval_steps=40, max_probe_backoff=4), 0.0, 200)
     gaps = np.diff(at).tolist()
-    # Each gap is the interval after the probe's dwell (8 steps) and return, so it grows as
-    # 40, 80, 160 and then stays at the cap.
+    # Each gap is the interval plus the probe's window at K=1 and the rounding to whole
+    # windows of 4 steps (48, 84, 164 here): it grows as 40, 80, 160 and then stays at the cap.
     assert len(gaps) >= 4 and gaps[0] < gaps[1] < gaps[2] == gaps[-1]
     assert gaps[2] >= 4 * 40 and gaps[0] < 2 * 40
     assert np.diff(probe_steps(goodput(probe_interval_steps=40, max_probe_backoff=1),
