@@ -2,7 +2,8 @@
 
 For each drafter (ngram, draft_model), workload (copy: repetitive text, greedy; free: code
 openings sampled at T=0.8), K in {0,1,3,7,15} and concurrency in {1,8}: tokens/s, mean
-acceptance length (1 + accepted/drafts, vLLM's definition), speed-up over K=0 in the same run,
+acceptance length (1 + accepted/drafts, vLLM's definition), speed-up over K=0 in the same run
+(every tier warmed first, then measured in rounds that take the tiers in alternating order),
 and the median step time per (batch, K), which calibrates the simulator's cpu-demo preset.
 Also the share of draft slots the drafter filled (prompt lookup proposes nothing without a
 match), the median step time by draft tokens per sequence (what a step costs; `goodput`'s
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.workloads import HIGH, LOW, Prompt
-from replicas.engines.base import GenerationRequest, StepRecord
+from replicas.engines.base import Engine, GenerationRequest, StepRecord
 from replicas.engines.spec import EngineSpec
 from replicas.engines.vllm_engine import VllmEngine
 from replicas.tier_pool import TierPool
@@ -48,7 +49,7 @@ class Row:
     speedup_vs_k0: float = 1.0
 
 
-async def run_batch(engine: VllmEngine, prompts: list[Prompt], max_tokens: int) -> int:
+async def run_batch(engine: Engine, prompts: list[Prompt], max_tokens: int) -> int:
     async def one(index: int, prompt: Prompt) -> int:
         request = GenerationRequest(
             request_id=uuid.uuid4().hex, prompt=prompt.text, max_tokens=max_tokens,
@@ -84,7 +85,7 @@ def step_ms_by_depth(drafter: str, concurrency: int, steps: list[StepRecord]
             for depth, times in sorted(by_depth.items())]
 
 
-async def measure(engine: VllmEngine, pool: TierPool, drafter: str, rounds: int,
+async def measure(engine: Engine, pool: TierPool, drafter: str, rounds: int,
                   max_tokens: int, concurrencies: tuple[int, ...] = CONCURRENCY
                   ) -> tuple[list[Row], list[dict[str, float | int | str]]]:
     """The rows, and the step times by depth pooled over workloads and tiers."""
@@ -92,22 +93,29 @@ async def measure(engine: VllmEngine, pool: TierPool, drafter: str, rounds: int,
     for workload, prompts in WORKLOADS.items():
         for concurrency in concurrencies:
             batch = [prompts[i % len(prompts)] for i in range(concurrency)]
-            await pool.switch(0)
-            await run_batch(engine, batch, 8)  # warm caches for this batch shape
-            for k in TIERS:
+            for k in TIERS:  # warm every tier on this batch shape: none pays a first use
                 await pool.switch(k)
-                engine.drain_steps()
-                started, tokens = time.perf_counter(), 0
-                for _ in range(rounds):
-                    tokens += await run_batch(engine, batch, max_tokens)
-                elapsed = time.perf_counter() - started
-                steps = engine.drain_steps()
-                steps_at[concurrency].extend(steps)
-                accept_len, step_ms, fill = summarise(steps)
-                rows.append(Row(drafter, workload, concurrency, k, tokens / elapsed,
+                await run_batch(engine, batch, 8)
+            tokens, seconds = dict.fromkeys(TIERS, 0), dict.fromkeys(TIERS, 0.0)
+            steps: dict[int, list[StepRecord]] = {k: [] for k in TIERS}
+            for round_ in range(rounds):
+                # Tiers interleaved, in alternating order (K=0 first, then last): a drift in
+                # the machine's speed falls on every tier alike. Run back to back, K=0 first,
+                # sampled text had every drafting tier 1.07-1.18x K=0 without one draft landing.
+                for k in TIERS if round_ % 2 == 0 else TIERS[::-1]:
+                    await pool.switch(k)
+                    engine.drain_steps()
+                    started = time.perf_counter()
+                    tokens[k] += await run_batch(engine, batch, max_tokens)
+                    seconds[k] += time.perf_counter() - started
+                    steps[k].extend(engine.drain_steps())
+            for k in TIERS:
+                steps_at[concurrency].extend(steps[k])
+                accept_len, step_ms, fill = summarise(steps[k])
+                rows.append(Row(drafter, workload, concurrency, k, tokens[k] / seconds[k],
                                 accept_len, step_ms, fill))
                 print(f"{drafter:11s} {workload:4s} c={concurrency} K={k:2d} "
-                      f"{tokens / elapsed:7.1f} tok/s  accept_len {accept_len:5.2f}  "
+                      f"{tokens[k] / seconds[k]:7.1f} tok/s  accept_len {accept_len:5.2f}  "
                       f"step {step_ms:6.1f} ms  fill {fill:.2f}", flush=True)
     for row in rows:
         base = next(r for r in rows if (r.workload, r.concurrency, r.k) ==
@@ -117,7 +125,7 @@ async def measure(engine: VllmEngine, pool: TierPool, drafter: str, rounds: int,
                   for entry in step_ms_by_depth(drafter, concurrency, steps)]
 
 
-async def acceptance_summary(engine: VllmEngine, pool: TierPool, drafter: str
+async def acceptance_summary(engine: Engine, pool: TierPool, drafter: str
                              ) -> list[dict[str, float | str]]:
     """Draft acceptance rate (accepted / drafted) at K=3 on each kind of text, greedy and not."""
     kinds = {
@@ -139,7 +147,7 @@ async def acceptance_summary(engine: VllmEngine, pool: TierPool, drafter: str
     return summary
 
 
-async def switch_cost(engine: VllmEngine, pool: TierPool, switches: int) -> dict[str, float]:
+async def switch_cost(engine: Engine, pool: TierPool, switches: int) -> dict[str, float]:
     """Time tier switches while eight requests are decoding."""
     load = asyncio.create_task(run_batch(engine, list(HIGH), 256))
     await asyncio.sleep(0.5)
@@ -224,7 +232,8 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafters", nargs="+", default=["ngram", "draft_model"])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="rounds over every tier, in alternating order")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY),
                         help="batch sizes to measure (the step-cost profile's rows)")

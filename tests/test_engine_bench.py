@@ -1,0 +1,47 @@
+"""The engine benchmark's measurement order, on the simulator engine (the benchmark itself
+runs real vLLM; its timing is not checked here)."""
+
+import asyncio
+
+from bench.engine_bench import TIERS, WORKLOADS, measure
+from replicas.engines.sim_engine import SimulatedEngine
+from replicas.engines.sim_presets import PRESETS
+from replicas.tier_pool import TierPool
+
+
+class RecordingPool(TierPool):
+    """A tier pool that remembers every tier it was asked for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.asked: list[int] = []
+
+    async def switch(self, k: int):
+        self.asked.append(k)
+        return await super().switch(k)
+
+
+def test_engine_bench_warms_every_tier_then_interleaves_them_in_alternating_order():
+    async def run():
+        engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=max(TIERS), time_scale=0.0)
+        await engine.start()
+        pool = RecordingPool(engine, TIERS, initial_k=0)
+        await pool.apply_initial()
+        try:
+            rows, _ = await measure(engine, pool, "ngram", rounds=3, max_tokens=16,
+                                    concurrencies=(1, 2))
+        finally:
+            await engine.shutdown()
+        return rows, pool.asked
+
+    rows, asked = asyncio.run(run())
+    forward, backward = list(TIERS), list(reversed(TIERS))
+    # Per workload and batch: a warm-up pass, then rounds taking the tiers forward, backward,
+    # forward, so no tier is always measured first.
+    assert asked == (forward + forward + backward + forward) * (len(WORKLOADS) * 2)
+    assert {(r.workload, r.concurrency, r.k) for r in rows} == \
+        {(w, c, k) for w in WORKLOADS for c in (1, 2) for k in TIERS}
+    assert all(r.speedup_vs_k0 == 1.0 for r in rows if r.k == 0)
+    accept = {(r.workload, r.concurrency, r.k): r.accept_len for r in rows}
+    # Every round's tokens count: copy text lands drafts, sampled free text almost none.
+    assert accept[("copy", 2, 15)] > 8 > 2 > accept[("free", 2, 15)]
