@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from policies.acceptance import (
     batch_acceptance,
     steady_lengths,
 )
+from policies.base import Policy
 from policies.batch_table import lookup
 from policies.ema import EmaConfig, EmaPolicy
 from policies.goodput import GoodputConfig, GoodputPolicy
@@ -156,12 +158,15 @@ def test_goodput_probes_again_after_a_long_stretch_at_zero():
     assert ks.count(1) == 1 and set(ks) == {0, 1}, "one probe of the smallest tier"
 
 
-def probe_steps(policy: GoodputPolicy, acceptance: float, decisions: int) -> list[int]:
+def probe_steps(policy: Policy, acceptance: float, decisions: int,
+                signals_at: Callable[[int, float], Signals] | None = None) -> list[int]:
     """Engine steps (4 a decision) at which `policy`, held at K=0 on traffic whose drafts
-    land with `acceptance`, sends a probe."""
+    land with `acceptance`, sends a probe; `signals_at(k, acceptance)` is a decision's window
+    (default: `window` at batch 8)."""
+    signals_at = signals_at or (lambda k, acceptance: window(k, acceptance, batch=8))
     at, k = [], 0
     for decision in range(decisions):
-        new = policy.decide(window(k, acceptance, batch=8)).k
+        new = policy.decide(signals_at(k, acceptance)).k
         if new > k:
             at.append(4 * (decision + 1))
         k = new
@@ -871,6 +876,24 @@ def test_stability_turns_speculation_off_when_nothing_lands_and_looks_again_late
     off = with_requests(window(0, 0.0, batch=1, steps=16), idle)
     decisions = [policy.decide(off).k for _ in range(4)]
     assert decisions == [0, 0, 0, 1], "after 64 steps at K=0 it measures the smallest tier"
+
+
+def stability_window(k: int, acceptance: float) -> Signals:
+    """One request whose last four steps drafted k tokens each (none at K=0), landing all of
+    them if `acceptance` is 1 and none if it is 0."""
+    drafted = (0,) * 26 + (k,) * 4
+    accepted = tuple(round(d * acceptance) for d in drafted)
+    return with_requests(window(k, acceptance, batch=1),
+                         RequestAcceptance("a", accepted=accepted, drafted=drafted))
+
+
+def test_stability_keeps_probing_at_its_interval_while_probes_find_nothing():
+    """Unlike `goodput`'s, its probe is the only way it learns that drafts land again (it has
+    no class hint): a backoff like `goodput`'s, tried, held it at K=0 through the high phases
+    of the cpu-demo transition replay (867.7 -> 645.8 tok/s)."""
+    policy = StabilityPolicy(StabilityConfig(probe_interval_steps=40), CANDIDATES)
+    gaps = np.diff(probe_steps(policy, 0.0, 200, stability_window))
+    assert len(gaps) >= 10 and gaps.max() < 2 * 40
 
 
 # ---- every policy -------------------------------------------------------------------------
