@@ -173,29 +173,42 @@ def probe_steps(policy: Policy, acceptance: float, decisions: int,
     return at
 
 
+def of_a_class_without_landing_drafts(k: int, acceptance: float) -> Signals:
+    """`window` at batch 8, its requests of a class whose drafts landed at 2% before (so the
+    class hint never brings the replica up from K=0)."""
+    return Signals(**{**window(k, acceptance, batch=8).__dict__, "class_prior": (0.02,)})
+
+
 def test_goodput_probes_less_often_while_probes_find_nothing():
-    at = probe_steps(goodput(probe_interval_steps=40, max_probe_backoff=4), 0.0, 200)
+    at = probe_steps(goodput(probe_interval_steps=40, max_probe_backoff=4), 0.0, 200,
+                     of_a_class_without_landing_drafts)
     gaps = np.diff(at).tolist()
-    # Each gap is the interval plus the probe's window at K=1 and the rounding to whole
-    # windows of 4 steps (48, 84, 164 here): it grows as 40, 80, 160 and then stays at the cap.
-    assert len(gaps) >= 4 and gaps[0] < gaps[1] < gaps[2] == gaps[-1]
-    assert gaps[2] >= 4 * 40 and gaps[0] < 2 * 40
-    assert np.diff(probe_steps(goodput(probe_interval_steps=40, max_probe_backoff=1),
-                               0.0, 200)).max() < 2 * 40, "1 keeps the interval"
+    # The first probe after one interval (40 steps), the next 80 later, then 160 (the cap),
+    # each plus the probe's window at K=1 and the rounding to whole windows of 4 steps.
+    assert len(gaps) >= 3 and at[0] < 2 * 40 < gaps[0] < 4 * 40 <= gaps[1] == gaps[-1]
+    assert np.diff(probe_steps(goodput(probe_interval_steps=40, max_probe_backoff=1), 0.0, 200,
+                               of_a_class_without_landing_drafts)).max() < 2 * 40, \
+        "1 keeps the interval"
+    # Without a class prior no hint brings the replica up when drafts land again: the probe
+    # is the only way to see it, at every interval.
+    assert np.diff(probe_steps(goodput(probe_interval_steps=40, max_probe_backoff=4),
+                               0.0, 200)).max() < 2 * 40
 
 
 def test_goodput_probe_interval_comes_back_when_a_probe_finds_drafts_landing():
     policy = goodput(probe_interval_steps=40, max_probe_backoff=8)
-    assert probe_steps(policy, 0.0, 150)[-1] > 150 * 4 - 8 * 40 - 8, "still probing"
+    assert probe_steps(policy, 0.0, 150, of_a_class_without_landing_drafts)[-1] > \
+        150 * 4 - 8 * 40 - 8, "still probing"
     k, decisions = 0, 0
     while k == 0:  # drafts land now: the next probe, at most 8 intervals on, finds them
-        k = policy.decide(window(k, 0.9, batch=8)).k
+        k = policy.decide(of_a_class_without_landing_drafts(k, 0.9)).k
         decisions += 1
     assert 4 * decisions <= 8 * 40 + 8
     for _ in range(10):
-        k = policy.decide(window(k, 0.9, batch=8)).k
+        k = policy.decide(of_a_class_without_landing_drafts(k, 0.9)).k
     assert k > 0, "the policy stays where the probe found drafts landing"
-    assert np.diff(probe_steps(policy, 0.0, 100)).min() < 2 * 40, "the interval is back"
+    assert np.diff(probe_steps(policy, 0.0, 100, of_a_class_without_landing_drafts)).min() \
+        < 2 * 40, "the interval is back"
 
 
 def test_goodput_probes_the_next_tier_when_nothing_measured_it():
@@ -275,7 +288,7 @@ def test_goodput_counts_only_the_steps_that_proposed_drafts():
     assert gain[rare][15] / gain[rare][0] < 1.5 < gain[frequent][15] / gain[frequent][0]
 
 
-# Measured on this machine (engine_bench.md, engine_bench_batch32.md: copy text).
+# Measured on this machine by an earlier run of bench.engine_bench (copy text, batch 8 and 32).
 MEASURED = [(8, 0, 0.0124), (8, 1, 0.0161), (8, 3, 0.0180), (8, 7, 0.0209), (8, 15, 0.0203),
             (32, 0, 0.0235), (32, 1, 0.0294), (32, 3, 0.0429), (32, 7, 0.0604),
             (32, 15, 0.0512)]
