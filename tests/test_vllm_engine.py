@@ -40,9 +40,10 @@ async def engines():
     """One started engine per drafter ("none" is plain decoding, the reference)."""
     started: dict[str, VllmEngine] = {}
     try:
-        # The draft model's engine first: what it sets up for its processes must not reach
-        # the engines started after it.
-        for drafter in ("draft_model", "none", "ngram"):
+        # The draft model's engine between two others: what vLLM leaves in the environment
+        # for the first (GNU OpenMP) must not reach the draft model's processes, and what is
+        # set up for those must not reach the engine started after it.
+        for drafter in ("none", "draft_model", "ngram"):
             started[drafter] = VllmEngine(spec_for(drafter))
             await started[drafter].start()
         yield started

@@ -72,7 +72,10 @@ def intel_openmp_for_a_drafter_model(spec: EngineSpec) -> Iterator[None]:
         yield
         return
     saved = {key: os.environ.get(key) for key in ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD")}
-    os.environ["LD_PRELOAD"] = os.pathsep.join(filter(None, [str(library), preload]))
+    # Without an OpenMP in LD_PRELOAD vLLM adds torch's GNU OpenMP to it as an engine starts
+    # (for thread binding), so an engine started before this one left it there: one OpenMP.
+    kept = [entry for entry in preload.split(os.pathsep) if entry and "libgomp" not in entry]
+    os.environ["LD_PRELOAD"] = os.pathsep.join([str(library), *kept])
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     try:
         yield
