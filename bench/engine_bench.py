@@ -185,23 +185,27 @@ async def bench(args: argparse.Namespace) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| drafter | workload | concurrency | K | tok/s | vs K=0 | accept len | step ms | "
+    lines = ["### EVERY TIER SIDE BY SIDE (tiers interleaved, rounds in alternating order)", "",
+             "| drafter | workload | concurrency | K | tok/s | vs K=0 | accept len | step ms | "
              "slots filled |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         lines.append(f"| {r['drafter']} | {r['workload']} | {r['concurrency']} | {r['k']} | "
                      f"{r['tokens_per_s']:.1f} | {r['speedup_vs_k0']:.2f}x | "
                      f"{r['accept_len']:.2f} | {r['median_step_ms']:.1f} | "
                      f"{r['fill']:.2f} |")
-    lines += ["", "| drafter | concurrency | draft tokens per sequence | steps | median step ms |",
+    lines += ["", "### STEP TIME BY DRAFT TOKENS PER SEQUENCE (full-batch steps)", "",
+              "| drafter | concurrency | draft tokens per sequence | steps | median step ms |",
               "|---|---|---|---|---|"]
     for d in results["by_depth"]:
         lines.append(f"| {d['drafter']} | {d['concurrency']} | {d['depth']} | {d['steps']} | "
                      f"{d['median_step_ms']:.1f} |")
-    lines += ["", "| drafter | text | acceptance rate at K=3 | accept len |", "|---|---|---|---|"]
+    lines += ["", "### ACCEPTANCE AT K=3 (eight requests of 128 tokens)", "",
+              "| drafter | text | acceptance rate at K=3 | accept len |", "|---|---|---|---|"]
     for a in results["acceptance"]:
         lines.append(f"| {a['drafter']} | {a['text']} | {a['acceptance_rate']:.2f} | "
                      f"{a['accept_len']:.2f} |")
-    lines += ["", "| drafter | tier switches timed | median ms | p99 ms |", "|---|---|---|---|"]
+    lines += ["", "### TIER SWITCH COST (under load)", "",
+              "| drafter | tier switches timed | median ms | p99 ms |", "|---|---|---|---|"]
     for drafter, cost in results["switch_cost"].items():
         lines.append(f"| {drafter} | {cost['switches']} | {cost['median_ms']:.2f} | "
                      f"{cost['p99_ms']:.2f} |")
