@@ -23,10 +23,11 @@ Differences, said plainly:
 - DSDE never turns speculation off; ours does when the batch's mean acceptance rate over the
   window falls below `off_below` (drafts that rarely land are pure cost). At K=0 nothing is
   measured, so after `probe_interval_steps` there the policy runs the smallest positive tier
-  again to see whether drafts land now. Each time: this probe is the policy's only way to see
-  a phase change (`goodput` also has its request classes' past acceptance), and `goodput`'s
-  backoff, tried here, held it at K=0 through the high phases of the cpu-demo transition
-  replay with its stop-40 preset (867.7 -> 645.8 tok/s).
+  again to see whether drafts land now, at every interval however many probes found nothing:
+  this probe is the policy's only way to see a phase change (`goodput` also has its request
+  classes' past acceptance), and `goodput`'s backoff, tried here, held it at K=0 through the
+  high phases of the cpu-demo transition replay with its stop-40 preset (867.7 -> 645.8
+  tok/s).
 """
 
 from __future__ import annotations

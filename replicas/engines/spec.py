@@ -60,8 +60,13 @@ class EngineSpec(BaseModel):
     def effective_kmax(self) -> int:
         return 0 if self.drafter == "none" else self.kmax
 
+    @property
+    def drafts_with_a_model(self) -> bool:
+        """A model proposes the drafts (not prompt lookup, and not plain decoding)."""
+        return self.drafter not in ("none", "ngram")
+
     def drafter_checkpoint(self) -> str | None:
-        if self.drafter in ("none", "ngram"):
+        if not self.drafts_with_a_model:
             return None
         if self.drafter_model:
             return self.drafter_model

