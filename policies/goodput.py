@@ -307,13 +307,16 @@ class GoodputPolicy:
         if self._steps_on_tier < self.config.min_dwell_steps and not signals.new_class:
             return Decision(current, "dwell", inputs, caps_by_k.get(current))
         decision = self._decide_after_dwell(signals, current, scores, best, inputs, caps_by_k)
-        self._judge_probe(current, decision.k)
+        self._judge_probe(current, decision.k, backs_off=bool(signals.class_prior))
         return decision
 
-    def _judge_probe(self, current: int, new: int) -> None:
+    def _judge_probe(self, current: int, new: int, backs_off: bool) -> None:
         """After a probe's dwell: it found drafts landing if the policy goes deeper, or holds
         the probed tier for a probe interval; it found nothing if the policy leaves it sooner
-        (a tier that only ties the one below is left within a few decisions)."""
+        (a tier that only ties the one below is left within a few decisions). A fruitless
+        probe lengthens the interval only where the backoff applies (`backs_off`: a class
+        prior), so a replica that gains one later does not start at a long interval earned
+        while the probe was its only eye on the traffic."""
         if self._probed is None:
             return
         tier, at = self._probed
@@ -324,7 +327,9 @@ class GoodputPolicy:
         elif new > tier or held:
             self._probe_backoff, self._probed = 1, None
         elif new < tier:
-            self._probe_backoff = min(2 * self._probe_backoff, self.config.max_probe_backoff)
+            if backs_off:
+                self._probe_backoff = min(2 * self._probe_backoff,
+                                          self.config.max_probe_backoff)
             self._probed = None
 
     def _decide_after_dwell(self, signals: Signals, current: int, scores: dict[int, float],

@@ -195,6 +195,15 @@ def test_goodput_probes_less_often_while_probes_find_nothing():
                                0.0, 200)).max() < 2 * 40
 
 
+def test_goodput_fruitless_probes_without_a_class_prior_earn_no_backoff_for_later():
+    """Probes that found nothing while no class prior existed leave the interval as it was:
+    once the requests bring a prior, the backoff starts from one interval."""
+    policy = goodput(probe_interval_steps=40, max_probe_backoff=8)
+    assert len(probe_steps(policy, 0.0, 200)) >= 4, "fruitless probes, no prior"
+    at = probe_steps(policy, 0.0, 100, of_a_class_without_landing_drafts)
+    assert at[0] < 2 * 40 + 8 and np.diff(at)[0] < 4 * 40
+
+
 def test_goodput_probe_interval_comes_back_when_a_probe_finds_drafts_landing():
     policy = goodput(probe_interval_steps=40, max_probe_backoff=8)
     assert probe_steps(policy, 0.0, 150, of_a_class_without_landing_drafts)[-1] > \
