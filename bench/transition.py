@@ -4,6 +4,11 @@
         --requests 16 --concurrency 8 --warmup 8 --max-tokens 256 \\
         --modes static1,static3,static7,static15,ema,goodput --json out.json --plot out.png
 
+A mode is `static<K>`, a policy's name (the deployed policy keeps its deployed config, any
+other takes its defaults), or a name given its own config with `--define NAME=JSON`, e.g.
+`--define 'goodput_m15={"name": "goodput", "switch_margin": 0.15}' --modes goodput,goodput_m15`
+to weigh a setting against the deployed one in the same run.
+
 Each mode is applied by reconfiguring the running application (`POST /admin/policy`, no
 restart), followed by a warm-up. The transition workload runs the phases low_1, high_1, low_2,
 high_2 (free text sampled at T=0.8, then repetitive text decoded greedily; see
@@ -61,12 +66,35 @@ def select_phases(phases: list[Phase], names: list[str]) -> list[Phase]:
     return [p for p in phases if p.name in names]
 
 
-def policy_for_mode(mode: str, deployed: dict[str, Any]) -> dict[str, Any]:
-    """`static7` -> static K=7; the deployed policy's name -> its deployed config (e.g. the
-    goodput policy keeps its step-cost profile); any other name -> that policy's defaults."""
-    if mode.startswith("static"):
+def policy_for_mode(mode: str, deployed: dict[str, Any],
+                    defined: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A mode `--define`d -> its config; `static7` -> static K=7; the deployed policy's
+    name -> its deployed config (e.g. the goodput policy keeps its step-cost profile); any
+    other name -> that policy's defaults."""
+    if defined and mode in defined:
+        return defined[mode]
+    if is_static(mode):
         return {"name": "static", "k": int(mode.removeprefix("static"))}
     return deployed if deployed.get("name") == mode else {"name": mode}
+
+
+def defined_mode(text: str) -> tuple[str, dict[str, Any]]:
+    """`NAME=JSON` (a `--define`) -> (NAME, the policy config). A defined mode counts as
+    adaptive in the report, so its name must not read as a static one."""
+    name, sep, config = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=JSON")
+    if is_static(name):
+        raise argparse.ArgumentTypeError(f"{name!r}: names starting with 'static' are the "
+                                         "static tiers")
+    try:
+        policy = json.loads(config)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{name}: not JSON ({error})") from error
+    if not isinstance(policy, dict) or "name" not in policy:
+        raise argparse.ArgumentTypeError(f"{name}: a policy config is an object with a "
+                                         "'name'")
+    return name, policy
 
 
 @dataclass
@@ -157,8 +185,8 @@ async def track_tiers(client: Client, stop: asyncio.Event, origin: float,
 
 
 async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
-                   origin: float, deployed: dict[str, Any]) -> dict[str, Any]:
-    await client.set_policy(policy_for_mode(mode, deployed))
+                   origin: float, policy: dict[str, Any]) -> dict[str, Any]:
+    await client.set_policy(policy)
     warm = Phase("warmup", tuple(p for pair in zip(LOW, HIGH, strict=True) for p in pair),
                  phases[0].concurrency, warmup)
     await run_phase(client, warm, seed_base=10_000)
@@ -209,8 +237,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
     for round_ in range(args.rounds):  # modes interleaved, so a slow spell hits all of them
         for mode in round_order(args.modes, round_):
+            policy = policy_for_mode(mode, deployed, dict(args.define))
             rounds[mode].append(await run_mode(client, mode, phases, args.warmup, origin,
-                                               deployed))
+                                               policy))
     await client.http.aclose()
     return {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,
             "rounds": args.rounds, "phases": [p.name for p in phases],
@@ -402,6 +431,11 @@ def main() -> None:
                         help="run every mode this many times, interleaved; report medians")
     parser.add_argument("--modes", type=lambda s: s.split(","),
                         default=["static1", "static3", "static7", "static15", "ema", "goodput"])
+    parser.add_argument("--define", type=defined_mode, action="append", default=[],
+                        metavar="NAME=JSON",
+                        help="a mode named NAME running this policy config (repeatable), "
+                             "e.g. 'goodput_m15={\"name\": \"goodput\", "
+                             "\"switch_margin\": 0.15}'")
     parser.add_argument("--phases", type=lambda s: s.split(","), default=None,
                         help="run only these of the workload's phases (default: all)")
     parser.add_argument("--json", type=Path, default=None)

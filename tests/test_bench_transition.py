@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,10 @@ import pytest
 from bench.http_suite import end_leftovers
 from bench.transition import (
     combine,
+    defined_mode,
     paired_ratios,
     plot,
+    policy_for_mode,
     report,
     round_order,
     select_phases,
@@ -39,6 +42,24 @@ def test_rounds_combine_into_medians_and_summed_errors() -> None:
     assert combined["errors"] == 3
     assert len(combined["timeline"]) == 3 and combined["started_s"] == [300, 500, 400]
     assert [r["throughput"] for r in combined["rounds"]] == [300, 500, 400]
+
+
+def test_a_defined_mode_runs_its_own_config_beside_the_deployed_one() -> None:
+    deployed = {"name": "goodput", "profile": [[1, 0, 0.002]], "switch_margin": 0.05}
+    name, config = defined_mode('goodput_m15={"name": "goodput", "switch_margin": 0.15}')
+    defined = {name: config}
+    assert policy_for_mode("goodput_m15", deployed, defined) == \
+        {"name": "goodput", "switch_margin": 0.15}
+    assert policy_for_mode("goodput", deployed, defined) is deployed
+    assert policy_for_mode("static7", deployed, defined) == {"name": "static", "k": 7}
+    assert policy_for_mode("ema", deployed, defined) == {"name": "ema"}
+
+
+@pytest.mark.parametrize("text", ["goodput", "=1", 'static2={"name": "static", "k": 2}',
+                                  "g={not json", 'g=[1]', 'g={"k": 3}'])
+def test_a_malformed_define_is_refused_with_its_reason(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        defined_mode(text)
 
 
 def test_rounds_are_counterbalanced_in_pairs() -> None:
