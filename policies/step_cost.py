@@ -73,6 +73,17 @@ class StepCostModel:
             self._points.setdefault(cost.k, {})[cost.batch] = point
         point.weight = min(point.weight + 1, self.max_weight)
         point.seconds += (cost.seconds - point.seconds) / point.weight
+        point.steps += 1
+
+    def measured(self, min_steps: int) -> list[StepCost]:
+        """The points this replica measured from at least `min_steps` steps, by batch then
+        depth: what it learned, in a profile's form (`GoodputConfig.profile`), so a
+        deployment can start from the costs an earlier one measured."""
+        return sorted((StepCost(batch, k, point.seconds)
+                       for k, by_batch in self._points.items()
+                       for batch, point in by_batch.items()
+                       if point.measured and point.steps >= min_steps),
+                      key=lambda cost: (cost.batch, cost.k))
 
     def _profiled_seconds(self, batch: int, k: int) -> float | None:
         """What the profile alone predicts for a step (None without a profile); memoised:
@@ -105,6 +116,8 @@ class _CostPoint:
     """How many steps the mean stands for (capped: an EWMA from then on)."""
     measured: bool = True
     """False while the point is only profiled (its level is then scaled)."""
+    steps: int = 0
+    """Steps observed at the point (its weight also counts the prior it started from)."""
 
 
 def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], batch: int,

@@ -351,7 +351,11 @@ class EngineReplica:
                 "class_acceptance": dict(self._classes.own),
                 "fleet_class_acceptance": dict(self._classes.fleet),
                 "counters": {key: value for key, value in counters.__dict__.items()
-                             if not isinstance(value, list)}}
+                             if not isinstance(value, list)},
+                # The step costs the policy learned, for a policy that learns them
+                # (`goodput`): a profile to start the next deployment from.
+                "learned_profile": learned() if (learned := getattr(
+                    self.loop.policy, "learned_profile", None)) else None}
 
     def metrics_snapshot(self) -> dict[str, Any]:
         return self.metrics.snapshot()

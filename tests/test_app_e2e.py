@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from bench.workloads import COPY_PROMPT, FREE_PROMPTS
+from policies.goodput import GoodputConfig
 from replicas.engines.base import GenerationRequest
 from replicas.engines.factory import build_engine
 from replicas.engines.spec import DEMO_TARGET, REPO_ROOT, EngineSpec
@@ -164,6 +165,12 @@ def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(
     assert all(r["max_local_batch"] <= 4 for r in after)
     assert any(r["max_effective_concurrency"] > r["max_local_batch"] for r in after)
     assert all(r["max_routed"] > 0 for r in after), "router reports reach every replica"
+    # What each replica's goodput policy measured is a profile a deployment can start from.
+    learned = [r["learned_profile"] for r in after]
+    for rows in learned:
+        GoodputConfig(profile=rows)
+    if kind == "sim":  # the simulator's load is long enough for steps to pile up at a point
+        assert all(learned), "each replica reports the step costs it measured"
     if kind == "vllm":  # per-request verify outcomes: only vLLM reports them
         # Each replica's per-class acceptance went to the hub, and the fleet's came back. The
         # load above may have finished between two telemetry periods on both replicas: a

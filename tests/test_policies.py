@@ -574,6 +574,24 @@ def test_step_costs_scale_the_profile_to_the_measured_level():
     assert unprofiled.scale == 1.0 and unprofiled.predict(8, 3) == pytest.approx(0.05)
 
 
+def test_goodput_reports_the_step_costs_it_measured_as_a_profile_to_start_from():
+    """Only points this replica measured, from enough steps to hold more than their jitter;
+    not the profile it was seeded with. The rows are a valid `profile` for a new policy,
+    which then predicts what this one measured."""
+    policy = goodput(profile=MEASURED)
+    assert policy.learned_profile() == [], "the seed profile is not a measurement"
+    # Each point starts from the profile's prediction, which fades as its steps come in.
+    steps = [StepCost(8, 3, 0.006)] * 150 + [StepCost(8, 0, 0.004)] * 150 + \
+        [StepCost(32, 1, 0.013)] * 5  # too few steps to report
+    for cost in steps:
+        policy.costs.observe(cost)
+    rows = policy.learned_profile()
+    assert [(batch, k) for batch, k, _ in rows] == [(8, 0), (8, 3)]
+    assert [seconds for _, _, seconds in rows] == pytest.approx([0.004, 0.006], rel=0.03)
+    started = goodput(profile=rows)
+    assert started.costs.predict(8, 3) == pytest.approx(0.006, rel=0.03)
+
+
 def test_goodput_prices_a_tier_by_the_drafts_it_verifies():
     """Prompt lookup on text without repeats proposes on few sequence-steps, so a deep tier
     verifies few drafts and costs little more than K=0 (engine bench, free text at batch 1:
