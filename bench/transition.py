@@ -34,6 +34,7 @@ import httpx
 
 from bench.report import compare_to_statics, is_static, print_table, verdict
 from bench.workloads import HIGH, LOW, Prompt
+from policies.registry import parse_policy_config
 
 ADMIN_POLL_S = 0.5
 
@@ -79,22 +80,37 @@ def policy_for_mode(mode: str, deployed: dict[str, Any],
 
 
 def defined_mode(text: str) -> tuple[str, dict[str, Any]]:
-    """`NAME=JSON` (a `--define`) -> (NAME, the policy config). A defined mode counts as
-    adaptive in the report, so its name must not read as a static one."""
+    """`NAME=JSON` (a `--define`) -> (NAME, the policy config), checked as the application
+    checks one (`POST /admin/policy`), so a typo fails now, not when its mode's turn comes.
+    A defined mode counts as adaptive in the report, so it may not be a static one."""
     name, sep, config = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=JSON")
+    if not sep or not name or "," in name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=JSON (NAME without commas)")
     if is_static(name):
         raise argparse.ArgumentTypeError(f"{name!r}: names starting with 'static' are the "
                                          "static tiers")
     try:
         policy = json.loads(config)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"{name}: not JSON ({error})") from error
-    if not isinstance(policy, dict) or "name" not in policy:
-        raise argparse.ArgumentTypeError(f"{name}: a policy config is an object with a "
-                                         "'name'")
+        if not isinstance(policy, dict):
+            raise ValueError("a policy config is a JSON object")
+        if parse_policy_config(policy).name == "static":
+            raise ValueError("a static tier is a mode of its own: static<K>")
+    except ValueError as error:  # JSON and pydantic errors are ValueErrors
+        raise argparse.ArgumentTypeError(f"{name}: {error}") from error
     return name, policy
+
+
+def defined_modes(definitions: list[tuple[str, dict[str, Any]]], modes: list[str]
+                  ) -> dict[str, dict[str, Any]]:
+    """The `--define`s by name; each name once, and each a mode that runs."""
+    names = [name for name, _ in definitions]
+    problems = [f"{name!r} is defined twice" for name in sorted(set(names))
+                if names.count(name) > 1]
+    problems += [f"{name!r} is defined but not in --modes" for name in sorted(set(names))
+                 if name not in modes]
+    if problems:
+        raise ValueError("; ".join(problems))
+    return dict(definitions)
 
 
 @dataclass
@@ -234,15 +250,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         phases = select_phases(phases, args.phases)
     origin = time.perf_counter()
     deployed = (await client.replicas())[0]["policy"]  # as deployed, before any mode changes it
+    policies = {mode: policy_for_mode(mode, deployed, args.defined) for mode in args.modes}
     rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
     for round_ in range(args.rounds):  # modes interleaved, so a slow spell hits all of them
         for mode in round_order(args.modes, round_):
-            policy = policy_for_mode(mode, deployed, dict(args.define))
             rounds[mode].append(await run_mode(client, mode, phases, args.warmup, origin,
-                                               policy))
+                                               policies[mode]))
     await client.http.aclose()
     return {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,
             "rounds": args.rounds, "phases": [p.name for p in phases],
+            "policies": policies,  # what each mode ran, so a run can be repeated
             "modes": {mode: combine(runs) for mode, runs in rounds.items()}}
 
 
@@ -433,15 +450,20 @@ def main() -> None:
                         default=["static1", "static3", "static7", "static15", "ema", "goodput"])
     parser.add_argument("--define", type=defined_mode, action="append", default=[],
                         metavar="NAME=JSON",
-                        help="a mode named NAME running this policy config (repeatable), "
-                             "e.g. 'goodput_m15={\"name\": \"goodput\", "
-                             "\"switch_margin\": 0.15}'")
+                        help="a mode named NAME running this policy config (repeatable; "
+                             "NAME must be in --modes; the deployed policy's name replaces "
+                             "its deployed config), e.g. 'goodput_m15={\"name\": "
+                             "\"goodput\", \"switch_margin\": 0.15}'")
     parser.add_argument("--phases", type=lambda s: s.split(","), default=None,
                         help="run only these of the workload's phases (default: all)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
+    try:
+        args.defined = defined_modes(args.define, args.modes)
+    except ValueError as error:
+        parser.error(str(error))
     results = asyncio.run(bench(args))
     text = report(results)
     print(text)

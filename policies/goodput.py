@@ -91,8 +91,8 @@ from policies.step_cost import DraftFill, StepCostModel
 # drafting tiers that tie, the deeper one keeps measuring the deep positions (a replay that
 # also left deep tiers for shallower ties fell from 1.52x to 1.36x the best static).
 DRAFT_TIE = 0.01
-# Steps a (batch, depth) point needs before `GoodputPolicy.learned_profile` reports it: a
-# point seen a few times holds the jitter of those few steps.
+# Steps a measured (batch, depth) point needs before `GoodputPolicy.learned_profile` reports
+# it: a point seen a few times holds the jitter of those few steps (and its prior's share).
 LEARNED_PROFILE_MIN_STEPS = 20
 # Per-request draft caps tried for each K (see `GoodputPolicy._evaluate`): a request drafts
 # the positions whose drafts land with at least this chance. Free text lands at a few percent
@@ -262,12 +262,14 @@ class GoodputPolicy:
                 chosen[k] = caps
         return parts, chosen
 
-    def learned_profile(self) -> list[list[float]]:
-        """The step costs this replica measured, as `GoodputConfig.profile` rows
-        ([batch, draft tokens per sequence, seconds]): paste them into a deployment's
-        `profile` to start it from this machine's costs rather than the shipped ones."""
-        return [[cost.batch, cost.k, round(cost.seconds, 6)]
-                for cost in self.costs.measured(LEARNED_PROFILE_MIN_STEPS)]
+    def learned_profile(self) -> list[tuple[int, int, float]]:
+        """The step costs this replica now predicts, as `GoodputConfig.profile` rows
+        (batch, draft tokens per sequence, seconds): the points it measured (from
+        `LEARNED_PROFILE_MIN_STEPS` steps up) and the seeded ones scaled to its measured level
+        (see `StepCostModel.profile_rows`). A deployment's `profile` replaced by them starts
+        from this machine's costs rather than the shipped ones."""
+        return [(cost.batch, cost.k, round(cost.seconds, 6))
+                for cost in self.costs.profile_rows(LEARNED_PROFILE_MIN_STEPS)]
 
     @property
     def draft_share(self) -> float:

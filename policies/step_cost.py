@@ -75,15 +75,20 @@ class StepCostModel:
         point.seconds += (cost.seconds - point.seconds) / point.weight
         point.steps += 1
 
-    def measured(self, min_steps: int) -> list[StepCost]:
-        """The points this replica measured from at least `min_steps` steps, by batch then
-        depth: what it learned, in a profile's form (`GoodputConfig.profile`), so a
-        deployment can start from the costs an earlier one measured."""
-        return sorted((StepCost(batch, k, point.seconds)
-                       for k, by_batch in self._points.items()
-                       for batch, point in by_batch.items()
-                       if point.measured and point.steps >= min_steps),
-                      key=lambda cost: (cost.batch, cost.k))
+    def profile_rows(self, min_steps: int) -> list[StepCost]:
+        """What this model now predicts at each point it holds, by batch then depth, in a
+        profile's form (`GoodputConfig.profile`): a point measured from at least `min_steps`
+        steps as measured, a point only profiled scaled to the measured level (`scale`), so
+        the rows are one complete profile at one level; a point measured from fewer steps is
+        left out (its neighbours interpolate it). A deployment can start from it instead of
+        the profile it was given."""
+        rows = []
+        # Copies: the admin route may read this while the control loop observes steps.
+        for k, by_batch in list(self._points.items()):
+            for batch, point in list(by_batch.items()):
+                if not point.measured or point.steps >= min_steps:
+                    rows.append(StepCost(batch, k, self._value(point)))
+        return sorted(rows, key=lambda cost: (cost.batch, cost.k))
 
     def _profiled_seconds(self, batch: int, k: int) -> float | None:
         """What the profile alone predicts for a step (None without a profile); memoised:

@@ -165,12 +165,14 @@ def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(
     assert all(r["max_local_batch"] <= 4 for r in after)
     assert any(r["max_effective_concurrency"] > r["max_local_batch"] for r in after)
     assert all(r["max_routed"] > 0 for r in after), "router reports reach every replica"
-    # What each replica's goodput policy measured is a profile a deployment can start from.
-    learned = [r["learned_profile"] for r in after]
-    for rows in learned:
-        GoodputConfig(profile=rows)
-    if kind == "sim":  # the simulator's load is long enough for steps to pile up at a point
-        assert all(learned), "each replica reports the step costs it measured"
+    # What each replica's goodput policy learned is a profile a deployment can start from.
+    for stats in after:
+        GoodputConfig(profile=stats["learned_profile"])
+        # The simulator's load is long enough for a point's steps to pile up (vLLM's here
+        # is not) and its steps cost what no shipped profile says: the rows move.
+        if kind == "sim":
+            assert stats["learned_profile"] != stats["policy"]["profile"], \
+                "each replica reports the step costs it measured"
     if kind == "vllm":  # per-request verify outcomes: only vLLM reports them
         # Each replica's per-class acceptance went to the hub, and the fleet's came back. The
         # load above may have finished between two telemetry periods on both replicas: a

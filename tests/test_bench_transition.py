@@ -14,6 +14,7 @@ from bench.http_suite import end_leftovers
 from bench.transition import (
     combine,
     defined_mode,
+    defined_modes,
     paired_ratios,
     plot,
     policy_for_mode,
@@ -55,11 +56,32 @@ def test_a_defined_mode_runs_its_own_config_beside_the_deployed_one() -> None:
     assert policy_for_mode("ema", deployed, defined) == {"name": "ema"}
 
 
-@pytest.mark.parametrize("text", ["goodput", "=1", 'static2={"name": "static", "k": 2}',
-                                  "g={not json", 'g=[1]', 'g={"k": 3}'])
+@pytest.mark.parametrize("text", [
+    "goodput", "=1", "a,b={\"name\": \"goodput\"}", 'static2={"name": "ema"}',
+    "g={not json", "g=[1]", 'g={"k": 3}', 'g={"name": "goodput", "switch_margin": -1}',
+    'g={"name": "goodput", "no_such_field": 1}', 'g={"name": "static", "k": 2}'])
 def test_a_malformed_define_is_refused_with_its_reason(text: str) -> None:
+    """Checked as the application checks a policy, when the command is read, not when the
+    mode's turn comes in a run of an hour."""
     with pytest.raises(argparse.ArgumentTypeError):
         defined_mode(text)
+
+
+def test_each_define_is_named_once_and_runs() -> None:
+    config = {"name": "goodput", "switch_margin": 0.15}
+    assert defined_modes([("g", config)], ["static1", "g"]) == {"g": config}
+    with pytest.raises(ValueError, match="'g' is defined twice"):
+        defined_modes([("g", config), ("g", {"name": "ema"})], ["g"])
+    with pytest.raises(ValueError, match="'h' is defined but not in --modes"):
+        defined_modes([("h", config)], ["static1"])
+
+
+def test_the_command_line_refuses_a_define_it_would_not_run() -> None:
+    command = [sys.executable, "-m", "bench.transition", "--url", "http://127.0.0.1:9",
+               "--modes", "static1", "--define", 'g={"name": "goodput"}']
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 2 and "'g' is defined but not in --modes" in done.stderr
 
 
 def test_rounds_are_counterbalanced_in_pairs() -> None:

@@ -574,22 +574,28 @@ def test_step_costs_scale_the_profile_to_the_measured_level():
     assert unprofiled.scale == 1.0 and unprofiled.predict(8, 3) == pytest.approx(0.05)
 
 
-def test_goodput_reports_the_step_costs_it_measured_as_a_profile_to_start_from():
-    """Only points this replica measured, from enough steps to hold more than their jitter;
-    not the profile it was seeded with. The rows are a valid `profile` for a new policy,
-    which then predicts what this one measured."""
+def test_goodput_reports_the_step_costs_it_learned_as_a_profile_to_start_from():
+    """One complete profile at the measured level: the points this replica measured from
+    enough steps to hold more than their jitter, and the seeded points it did not measure
+    scaled to that level; a point measured from fewer steps is left out. The rows seed a new
+    policy that predicts what this one measured."""
     policy = goodput(profile=MEASURED)
-    assert policy.learned_profile() == [], "the seed profile is not a measurement"
-    # Each point starts from the profile's prediction, which fades as its steps come in.
-    steps = [StepCost(8, 3, 0.006)] * 150 + [StepCost(8, 0, 0.004)] * 150 + \
-        [StepCost(32, 1, 0.013)] * 5  # too few steps to report
+    assert policy.learned_profile() == [tuple(row) for row in MEASURED], \
+        "nothing measured yet: the seed as it is"
+    # Each measured point starts from the profile's prediction, which fades as steps come in;
+    # the app's steps cost twice the profile's.
+    steps = [StepCost(8, 3, 2 * 0.0180)] * 150 + [StepCost(8, 0, 2 * 0.0124)] * 150 + \
+        [StepCost(32, 1, 2 * 0.0294)] * 17  # fewer steps than a report needs
     for cost in steps:
         policy.costs.observe(cost)
-    rows = policy.learned_profile()
-    assert [(batch, k) for batch, k, _ in rows] == [(8, 0), (8, 3)]
-    assert [seconds for _, _, seconds in rows] == pytest.approx([0.004, 0.006], rel=0.03)
-    started = goodput(profile=rows)
-    assert started.costs.predict(8, 3) == pytest.approx(0.006, rel=0.03)
+    rows = {(batch, k): seconds for batch, k, seconds in policy.learned_profile()}
+    assert (32, 1) not in rows
+    assert set(rows) == {(batch, k) for batch, k, _ in MEASURED} - {(32, 1)}
+    assert [rows[8, 0], rows[8, 3]] == pytest.approx([2 * 0.0124, 2 * 0.0180], rel=0.03)
+    assert rows[32, 7] == pytest.approx(2 * 0.0604, rel=0.05), "a seeded point, scaled"
+    started = goodput(profile=list(policy.learned_profile()))
+    assert started.costs.predict(8, 3) == pytest.approx(2 * 0.0180, rel=0.03)
+    assert started.costs.predict(32, 7) == pytest.approx(2 * 0.0604, rel=0.05)
 
 
 def test_goodput_prices_a_tier_by_the_drafts_it_verifies():
