@@ -28,6 +28,10 @@ RESULTS = Path("bench/results")
 # against, and in the sampled phases the tier `goodput` mostly holds (there the drafting
 # statics and K=0 lie within a few percent of each other, inside their spread across rounds).
 MODES = "static0,static1,static3,static7,static15,ema,goodput"
+# The deployed policy runs twice a round, the second time reported apart (an A/A test): two
+# runs of one configuration show how far this machine moves any ratio in the same run
+# (8 rounds of the transition on one app start: 1.069x between them, round-by-round median).
+AA_CONTROL = "goodput"
 WORKLOADS = {
     # The settings; the sweep's requests are the floor of each phase (2 x concurrency
     # otherwise): 16, so each concurrency-1 phase lasts about 10 s. At 8 (5 s) one round's
@@ -147,8 +151,8 @@ def main() -> None:
             subprocess.run(
                 [sys.executable, "-m", "bench.transition", "--url", args.url, "--workload",
                  workload, *WORKLOADS[workload], "--warmup", "8", "--max-tokens", "256",
-                 "--modes", MODES, "--json", str(stem.with_suffix(".json")),
-                 "--plot", str(stem.with_suffix(".png")),
+                 "--modes", MODES, "--aa-control", AA_CONTROL,
+                 "--json", str(stem.with_suffix(".json")), "--plot", str(stem.with_suffix(".png")),
                  "--markdown", str(stem.with_suffix(".md"))], env=env, check=True)
 
 

@@ -7,7 +7,9 @@
 A mode is `static<K>`, a policy's name (the deployed policy keeps its deployed config, any
 other takes its defaults), or a name given its own config with `--define NAME=JSON`, e.g.
 `--define 'goodput_m15={"name": "goodput", "switch_margin": 0.15}' --modes goodput,goodput_m15`
-to weigh a setting against the deployed one in the same run.
+to weigh a setting against the deployed one in the same run. `--aa-control goodput` runs
+`goodput` a second time in every round and reports the two runs against each other apart from
+the other tables: an A/A test, the noise of this run's ratios.
 
 Each mode is applied by reconfiguring the running application (`POST /admin/policy`, no
 restart), followed by a warm-up. The transition workload runs the phases low_1, high_1, low_2,
@@ -251,16 +253,30 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     origin = time.perf_counter()
     deployed = (await client.replicas())[0]["policy"]  # as deployed, before any mode changes it
     policies = {mode: policy_for_mode(mode, deployed, args.defined) for mode in args.modes}
-    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
+    order = list(args.modes)
+    if args.aa_control:  # the same mode again, interleaved like any other
+        order.append(again(args.aa_control))
+        policies[again(args.aa_control)] = policies[args.aa_control]
+    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in order}
     for round_ in range(args.rounds):  # modes interleaved, so a slow spell hits all of them
-        for mode in round_order(args.modes, round_):
+        for mode in round_order(order, round_):
             rounds[mode].append(await run_mode(client, mode, phases, args.warmup, origin,
                                                policies[mode]))
     await client.http.aclose()
-    return {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,
-            "rounds": args.rounds, "phases": [p.name for p in phases],
-            "policies": policies,  # what each mode ran, so a run can be repeated
-            "modes": {mode: combine(runs) for mode, runs in rounds.items()}}
+    combined = {mode: combine(runs) for mode, runs in rounds.items()}
+    results = {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,
+               "rounds": args.rounds, "phases": [p.name for p in phases],
+               "policies": policies,  # what each mode ran, so a run can be repeated
+               "modes": {mode: combined[mode] for mode in args.modes}}
+    if args.aa_control:  # kept apart: no table but its own may count it as a mode
+        results["aa_control"] = {"mode": args.aa_control,
+                                 "again": combined[again(args.aa_control)]}
+    return results
+
+
+def again(mode: str) -> str:
+    """The name `--aa-control` runs `mode`'s second copy under."""
+    return f"{mode} (again)"
 
 
 def round_order(modes: list[str], round_: int) -> list[str]:
@@ -327,6 +343,8 @@ def report(results: dict[str, Any]) -> str:
         lines.append(ceiling_table(modes, statics, adaptive, phase_names, best_overall))
     if statics and adaptive and rounds > 1:
         lines.append(paired_table(modes, statics, adaptive, phase_names))
+    if "aa_control" in results:
+        lines.append(aa_table(modes, results["aa_control"], phase_names))
     comparisons = compare_to_statics({m: r["throughput"] for m, r in modes.items()})
     if comparisons:
         lines.append(print_table(
@@ -382,6 +400,28 @@ def paired_table(modes: dict[str, Any], statics: list[str], adaptive: list[str],
         [[m, cell(paired_ratios(modes, statics, m), 1.0),
           *(cell(paired_ratios(modes, statics, m, p), 0.9) for p in phase_names)]
          for m in adaptive])
+
+
+def aa_table(modes: dict[str, Any], control: dict[str, Any], phase_names: list[str]) -> str:
+    """One mode run twice in every round (`--aa-control`): the second run over the first, by
+    medians and round by round. Both ran the same configuration, so how far they land apart
+    is the noise in every ratio of this run (an A/A test)."""
+    first, second = modes[control["mode"]], control["again"]
+
+    def paired(phase: str | None) -> str:
+        def of(run: dict[str, Any]) -> float:
+            return run["throughput"] if phase is None else run["phases"][phase]
+
+        ratios = [of(b) / of(a) for a, b in zip(first["rounds"], second["rounds"], strict=True)]
+        return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
+
+    return print_table(
+        f"A/A CONTROL: {control['mode']} RUN TWICE IN EVERY ROUND (the second over the first; "
+        "both ran the same configuration, so this is the noise in every ratio above)",
+        ["measure", "overall", *phase_names],
+        [["medians", f"{second['throughput'] / first['throughput']:.3f}",
+          *(f"{second['phases'][p] / first['phases'][p]:.3f}" for p in phase_names)],
+         ["round by round: median [min-max]", paired(None), *(paired(p) for p in phase_names)]])
 
 
 def typical_round(runs: list[dict[str, Any]]) -> int:
@@ -454,6 +494,9 @@ def main() -> None:
                              "NAME must be in --modes; the deployed policy's name replaces "
                              "its deployed config), e.g. 'goodput_m15={\"name\": "
                              "\"goodput\", \"switch_margin\": 0.15}'")
+    parser.add_argument("--aa-control", default=None, metavar="MODE",
+                        help="run MODE (one of --modes) a second time in every round, "
+                             "reported apart as the run's noise (an A/A test)")
     parser.add_argument("--phases", type=lambda s: s.split(","), default=None,
                         help="run only these of the workload's phases (default: all)")
     parser.add_argument("--json", type=Path, default=None)
@@ -464,6 +507,8 @@ def main() -> None:
         args.defined = defined_modes(args.define, args.modes)
     except ValueError as error:
         parser.error(str(error))
+    if args.aa_control and args.aa_control not in args.modes:
+        parser.error(f"--aa-control {args.aa_control!r} is not one of --modes")
     results = asyncio.run(bench(args))
     text = report(results)
     print(text)

@@ -129,6 +129,30 @@ def test_report_pairs_each_round_with_that_rounds_best_static() -> None:
                    "| 1.000 [1.000-1.000] 2/2 |")
 
 
+def test_an_aa_control_is_reported_against_its_mode_and_nowhere_else() -> None:
+    """The second copy of `goodput` ran the same configuration: it gets its own table (its
+    runs over the first copy's), and no verdict counts it as an adaptive mode of its own."""
+    modes = {"static15": combine([_round(400, 100, 0, 0), _round(400, 100, 0, 0)]),
+             "goodput": combine([_round(400, 200, 0, 3), _round(500, 100, 0, 3)])}
+    again = combine([_round(440, 150, 0, 3), _round(450, 120, 0, 3)])
+    text = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 2,
+                   "aa_control": {"mode": "goodput", "again": again}})
+    assert "### A/A CONTROL: goodput RUN TWICE IN EVERY ROUND" in text
+    # medians 445 / 450 overall, 135 / 150 in low_1; rounds 1.1 and 0.9, 0.75 and 1.2
+    assert f"| medians | {445 / 450:.3f} | 0.900 | 1.000 |" in text
+    assert "| round by round: median [min-max] | 1.000 [0.900-1.100] | 0.975 [0.750-1.200] " \
+        "| 1.000 [1.000-1.000] |" in text
+    assert "again" not in text, "the control has no row in any other table"
+
+
+def test_the_command_line_refuses_an_aa_control_it_would_not_run() -> None:
+    command = [sys.executable, "-m", "bench.transition", "--url", "http://127.0.0.1:9",
+               "--modes", "static1,ema", "--aa-control", "goodput"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 2 and "--aa-control 'goodput' is not one of --modes" in done.stderr
+
+
 def test_the_plot_shows_each_adaptive_mode_in_its_median_round(tmp_path: Path) -> None:
     rounds = [_round(300, 250, 0, 4), _round(500, 150, 1, 2), _round(400, 200, 2, 9)]
     assert typical_round(rounds) == 2, "the round with the median throughput"
