@@ -316,9 +316,6 @@ class ReplicaMetrics(_Recorder):
     def record_decision_seconds(self, seconds: float) -> None:
         self._decision_seconds.record(seconds, self._attrs)
 
-    def set_active_tier(self, k: int) -> None:
-        self._active_k = int(k)
-
     def set_candidates(self, candidates: Sequence[int]) -> None:
         self._candidates = tuple(int(k) for k in candidates)
 

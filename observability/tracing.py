@@ -239,13 +239,6 @@ def _switch_attributes(change: TierSwitch, decision: Decision | None
     return attrs
 
 
-def record_tier_switch_event(span: Span, change: TierSwitch,
-                             decision: Decision | None = None) -> None:
-    """Span event: old K, new K, and the policy's reason and input signals."""
-    if span.is_recording():
-        span.add_event(TIER_SWITCH_EVENT, _switch_attributes(change, decision))
-
-
 class ActiveSpans:
     """The replica's in-flight request spans, so a tier switch is recorded on each of them."""
 
@@ -263,6 +256,8 @@ class ActiveSpans:
         self._spans.pop(id(span), None)
 
     def record_tier_switch(self, change: TierSwitch, decision: Decision | None = None) -> None:
+        """An event on every in-flight span: old K, new K, and the policy's reason and input
+        signals (none without a decision)."""
         if not self._spans:
             return
         attrs = _switch_attributes(change, decision)

@@ -224,11 +224,6 @@ class Signals:
         batch = max(1, concurrency)
         return min(batch, self.max_batch) if self.max_batch else batch
 
-    @property
-    def mean_accepted_per_draft(self) -> float | None:
-        """Mean accepted drafts per sequence-step (acceptance length - 1); None without drafts."""
-        return self.accepted_tokens / self.drafts if self.drafts else None
-
 
 @dataclass(frozen=True)
 class Decision:

@@ -36,8 +36,10 @@ def test_spans_reach_the_otlp_receiver(receiver: Receiver) -> None:
     ingress = tracing.start_ingress_span("POST /v1/completions", None, request_id="req-9")
     replica = tracing.start_replica_span(tracing.inject_context(ingress), request_id="req-9",
                                          replica_id="r0", k_start=3)
-    tracing.record_tier_switch_event(replica, TierSwitch(3, 0, 0.001),
-                                     Decision(k=0, reason="batch", inputs={"batch": 40.0}))
+    active = tracing.ActiveSpans()
+    active.add(replica)
+    active.record_tier_switch(TierSwitch(3, 0, 0.001),
+                              Decision(k=0, reason="batch", inputs={"batch": 40.0}))
     tracing.finish_span(replica, completion_tokens=5)
     tracing.finish_span(ingress, completion_tokens=5)
     assert tracing.force_flush_tracing()

@@ -86,9 +86,12 @@ def test_tier_switch_is_a_span_event_with_its_signals(spans: InMemorySpanExporte
     assert event.attributes["specserve.policy.input.p0"] == pytest.approx(0.41)
 
 
-def test_single_span_event_helper(spans: InMemorySpanExporter) -> None:
+def test_a_switch_without_a_decision_records_the_tiers_only(spans: InMemorySpanExporter
+                                                            ) -> None:
+    active = tracing.ActiveSpans()
     with tracing.replica_span({}, request_id="r", replica_id="r1", k_start=7) as span:
-        tracing.record_tier_switch_event(span, TierSwitch(7, 0, 0.001))
+        active.add(span)
+        active.record_tier_switch(TierSwitch(7, 0, 0.001))
     tracing.force_flush_tracing()
     (finished,) = spans.get_finished_spans()
     assert finished.parent is None  # no carrier: a root span
