@@ -76,12 +76,19 @@ def test_each_define_is_named_once_and_runs() -> None:
         defined_modes([("h", config)], ["static1"])
 
 
-def test_the_command_line_refuses_a_define_it_would_not_run() -> None:
+@pytest.mark.parametrize(("arguments", "reason"), [
+    (["--modes", "static1", "--define", 'g={"name": "goodput"}'],
+     "'g' is defined but not in --modes"),
+    (["--modes", "static1,ema", "--aa-control", "goodput"],
+     "--aa-control 'goodput' is not one of --modes")])
+def test_the_command_line_refuses_a_mode_it_would_not_run(arguments: list[str], reason: str
+                                                          ) -> None:
+    """Refused when the command is read, before it reaches for the app."""
     command = [sys.executable, "-m", "bench.transition", "--url", "http://127.0.0.1:9",
-               "--modes", "static1", "--define", 'g={"name": "goodput"}']
+               *arguments]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == 2 and "'g' is defined but not in --modes" in done.stderr
+    assert done.returncode == 2 and reason in done.stderr
 
 
 def test_rounds_are_counterbalanced_in_pairs() -> None:
@@ -143,14 +150,6 @@ def test_an_aa_control_is_reported_against_its_mode_and_nowhere_else() -> None:
     assert "| round by round: median [min-max] | 1.000 [0.900-1.100] | 0.975 [0.750-1.200] " \
         "| 1.000 [1.000-1.000] |" in text
     assert "again" not in text, "the control has no row in any other table"
-
-
-def test_the_command_line_refuses_an_aa_control_it_would_not_run() -> None:
-    command = [sys.executable, "-m", "bench.transition", "--url", "http://127.0.0.1:9",
-               "--modes", "static1,ema", "--aa-control", "goodput"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == 2 and "--aa-control 'goodput' is not one of --modes" in done.stderr
 
 
 def test_the_plot_shows_each_adaptive_mode_in_its_median_round(tmp_path: Path) -> None:
