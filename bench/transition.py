@@ -379,11 +379,14 @@ def paired_ratios(modes: dict[str, Any], statics: list[str], mode: str,
     """Per round, `mode` over the best static of the same round (overall, or in `phase`).
     The modes of a round run back to back, so a slow spell of the machine that lowers a
     whole round cancels out, which it does not between medians taken over the rounds."""
-    def of(run: dict[str, Any]) -> float:
-        return run["throughput"] if phase is None else run["phases"][phase]
-
-    return [of(run) / max(of(modes[s]["rounds"][i]) for s in statics)
+    return [throughput_of(run, phase) / max(throughput_of(modes[s]["rounds"][i], phase)
+                                            for s in statics)
             for i, run in enumerate(modes[mode]["rounds"])]
+
+
+def throughput_of(run: dict[str, Any], phase: str | None = None) -> float:
+    """A round's throughput, overall or in `phase`."""
+    return run["throughput"] if phase is None else run["phases"][phase]
 
 
 def paired_table(modes: dict[str, Any], statics: list[str], adaptive: list[str],
@@ -409,10 +412,8 @@ def aa_table(modes: dict[str, Any], control: dict[str, Any], phase_names: list[s
     first, second = modes[control["mode"]], control["again"]
 
     def paired(phase: str | None) -> str:
-        def of(run: dict[str, Any]) -> float:
-            return run["throughput"] if phase is None else run["phases"][phase]
-
-        ratios = [of(b) / of(a) for a, b in zip(first["rounds"], second["rounds"], strict=True)]
+        ratios = [throughput_of(b, phase) / throughput_of(a, phase)
+                  for a, b in zip(first["rounds"], second["rounds"], strict=True)]
         return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
 
     return print_table(
