@@ -374,27 +374,28 @@ def ceiling_table(modes: dict[str, Any], statics: list[str], adaptive: list[str]
             f"{modes[m]['throughput'] / ceiling:.3f}"] for m in adaptive)])
 
 
-def paired_ratios(modes: dict[str, Any], statics: list[str], mode: str,
+def paired_ratios(modes: dict[str, Any], against: list[str], mode: str,
                   phase: str | None = None) -> list[float]:
-    """Per round, `mode` over the best static of the same round (overall, or in `phase`).
-    The modes of a round run back to back, so a slow spell of the machine that lowers a
-    whole round cancels out, which it does not between medians taken over the rounds."""
-    return [throughput_of(run, phase) / max(throughput_of(modes[s]["rounds"][i], phase)
-                                            for s in statics)
+    """Per round, `mode` over the best of `against` in the same round (overall, or in
+    `phase`). The modes of a round run back to back, so a slow spell of the machine that
+    lowers a whole round cancels out, which it does not between medians taken over the
+    rounds."""
+    def of(run: dict[str, Any]) -> float:
+        return run["throughput"] if phase is None else run["phases"][phase]
+
+    return [of(run) / max(of(modes[other]["rounds"][i]) for other in against)
             for i, run in enumerate(modes[mode]["rounds"])]
 
 
-def throughput_of(run: dict[str, Any], phase: str | None = None) -> float:
-    """A round's throughput, overall or in `phase`."""
-    return run["throughput"] if phase is None else run["phases"][phase]
+def spread(ratios: list[float]) -> str:
+    """Median [min-max] of per-round ratios."""
+    return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
 
 
 def paired_table(modes: dict[str, Any], statics: list[str], adaptive: list[str],
                  phase_names: list[str]) -> str:
     def cell(ratios: list[float], bar: float) -> str:
-        met = sum(r >= bar for r in ratios)
-        return (f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}] "
-                f"{met}/{len(ratios)}")
+        return f"{spread(ratios)} {sum(r >= bar for r in ratios)}/{len(ratios)}"
 
     return print_table(
         "ADAPTIVE VS THE BEST STATIC OF THE SAME ROUND (median [min-max] of the rounds' "
@@ -410,19 +411,15 @@ def aa_table(modes: dict[str, Any], control: dict[str, Any], phase_names: list[s
     medians and round by round. Both ran the same configuration, so how far they land apart
     is the noise in every ratio of this run (an A/A test)."""
     first, second = modes[control["mode"]], control["again"]
-
-    def paired(phase: str | None) -> str:
-        ratios = [throughput_of(b, phase) / throughput_of(a, phase)
-                  for a, b in zip(first["rounds"], second["rounds"], strict=True)]
-        return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
-
+    pair = {"first": first, "second": second}
     return print_table(
         f"A/A CONTROL: {control['mode']} RUN TWICE IN EVERY ROUND (the second over the first; "
         "both ran the same configuration, so this is the noise in every ratio above)",
         ["measure", "overall", *phase_names],
         [["medians", f"{second['throughput'] / first['throughput']:.3f}",
           *(f"{second['phases'][p] / first['phases'][p]:.3f}" for p in phase_names)],
-         ["round by round: median [min-max]", paired(None), *(paired(p) for p in phase_names)]])
+         ["round by round: median [min-max]", spread(paired_ratios(pair, ["first"], "second")),
+          *(spread(paired_ratios(pair, ["first"], "second", p)) for p in phase_names)]])
 
 
 def typical_round(runs: list[dict[str, Any]]) -> int:
