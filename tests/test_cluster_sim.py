@@ -9,21 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from bench.cluster_sim import (
-    CAPACITY_RESOLUTION,
-    PRESET,
-    WARMUP_S,
-    LoadShape,
-    OracleK,
-    Run,
-    gathering_bound,
-    policy_for,
-    run_one,
-    simulate,
-    slo_capacity,
-    summarise,
-    workload,
-)
+from bench.cluster.fleet import PRESET, WARMUP_S, OracleK, policy_for, simulate, summarise
+from bench.cluster.load import LoadShape, workload
+from bench.cluster.report import gathering_bound
+from bench.cluster.runs import CAPACITY_RESOLUTION, Run, run_one, slo_capacity
 from bench.policy_replay import CANDIDATES
 from policies.class_acceptance import class_counts
 from policies.signals import Signals
