@@ -12,7 +12,11 @@ ema > current - 0.5 + up_hysteresis; from 0 always probe the next tier. An SGLan
 Differences: SGLang updates once per verified batch with per-request counts; specserve's
 control loop hands over a window of `signals.steps` engine steps with their totals, so the slot
 takes `steps` updates with the window's mean (identical when acceptance is steady within a
-window of a few steps). The slot is chosen by the engine batch (`concurrency_source: local`,
+window of a few steps). As in SGLang, a batch's outcome feeds the slot that set its depth: the
+window's steps go to the slot of the previous decision, whose K they ran at, even when the
+batch has since moved to another slot. The mean is over every sequence-step run at K > 0,
+as SGLang's is over every request of the verified batch: a prompt-lookup sequence without a
+match accepts no drafts. The slot is chosen by the engine batch (`concurrency_source: local`,
 SGLang's semantics) or by the effective concurrency (ours, the default). Candidates not in the
 tier pool are snapped to the nearest tier below.
 """
@@ -144,6 +148,8 @@ class EmaPolicy:
             overrides = slot.model_dump(exclude={"candidate_steps"}, exclude_none=True)
             steps = sorted({snap_down(k, candidates) for k in slot.candidate_steps})
             self.slots[bound] = EmaSlot(steps, candidates[-1], {**globals_, **overrides})
+        self._ran: EmaSlot | None = None
+        """The slot of the last decision: the engine ran its K since."""
 
     def slot_for(self, batch: int) -> EmaSlot:
         bound = max((b for b in self.bounds if b <= batch), default=self.bounds[0])
@@ -153,9 +159,13 @@ class EmaPolicy:
         batch = max(1, signals.effective_concurrency if self.config.concurrency_source ==
                     "effective" else signals.local_batch)
         slot = self.slot_for(batch)
-        mean = signals.accepted_tokens / signals.drafts if signals.drafts else 0.0
+        ran = self._ran or slot
         if signals.running:
+            mean = (signals.accepted_tokens / signals.drafting_sequence_steps
+                    if signals.drafting_sequence_steps else 0.0)
             for _ in range(signals.steps):
-                slot.update(mean)
-        return Decision(slot.current, f"ema {slot.ema:.2f} in slot {batch}",
+                ran.update(mean)
+        self._ran = slot
+        bound = next(b for b, s in self.slots.items() if s is slot)
+        return Decision(slot.current, f"ema {slot.ema:.2f} in slot {bound} (batch {batch})",
                         {"ema": slot.ema, "batch": float(batch)})

@@ -83,6 +83,33 @@ def test_ema_probes_up_from_zero_and_waits_for_warmup():
     assert decisions[-1] == 1, "from 0 the policy always probes the next tier"
 
 
+def test_ema_feeds_a_window_to_the_slot_whose_k_it_ran_at():
+    """As SGLang routes each verified batch to its batch size's slot: steps run at the large
+    batch's K=0 must not pull the small-batch slot's EMA down when the batch shrinks back."""
+    policy = EmaPolicy(EmaConfig(concurrency_source="local"), CANDIDATES)
+    small = policy.slot_for(2)
+    small.current, small.ema, small.batches = 7, 6.0, 100
+    assert policy.decide(window(7, 0.95, batch=2)).k == 7
+    assert policy.decide(window(7, 0.95, batch=64)).k == 0, "SGLang's slot 64 holds K=0"
+    ema_before = small.ema
+    decision = policy.decide(window(0, 0.0, batch=2))
+    assert small.ema == ema_before, "the K=0 steps fed the slot that chose K=0"
+    assert decision.k == 7
+
+
+def test_ema_averages_over_every_drafting_sequence_step():
+    """SGLang's mean is over every request of the verified batch; a prompt-lookup sequence
+    without a match accepts nothing, so rare well-accepted proposals do not lift the EMA."""
+    policy = EmaPolicy(EmaConfig(concurrency_source="local"), CANDIDATES)
+    slot = policy.slot_for(1)
+    slot.current, slot.ema, slot.alpha = 7, 0.0, 1.0  # the EMA is the last batch's mean
+    sparse = window(7, 0.9, batch=1, steps=16, proposing=0.25)
+    policy.decide(sparse)
+    per_step = sparse.accepted_tokens / sparse.drafting_sequence_steps
+    assert slot.ema == pytest.approx(per_step)
+    assert slot.ema < 0.5 * sparse.accepted_tokens / sparse.drafts
+
+
 def test_ema_accepts_sglang_json_as_is():
     config = EmaConfig.model_validate(
         {"1": {"candidate_steps": [1, 3, 7], "down_hysteresis": -0.5}, "8": [0, 1],
