@@ -77,7 +77,8 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
 @dataclass
 class LoopStats:
     decisions: int = 0
-    decision_seconds_total: float = 0.0
+    last_decision_seconds: float = 0.0
+    """Wall time of the last policy decision."""
     max_effective_concurrency: int = 0
     max_local_batch: int = 0
     last_signals: Signals | None = None
@@ -142,7 +143,7 @@ class ControlLoop:
         self._pending = []
         started = time.perf_counter()
         decision = self.policy.decide(signals)
-        self.stats.decision_seconds_total += time.perf_counter() - started
+        self.stats.last_decision_seconds = time.perf_counter() - started
         self.stats.decisions += 1
         self.stats.last_signals, self.stats.last_decision = signals, decision
         self.stats.max_effective_concurrency = max(self.stats.max_effective_concurrency,

@@ -197,8 +197,7 @@ class EngineReplica:
         if decision is not None:
             logger.debug("decision K=%d -> %d: %s %s", self.pool.active_k if change is None
                          else change.from_k, decision.k, decision.reason, decision.inputs)
-            self.metrics.record_decision_seconds(
-                self.loop.stats.decision_seconds_total / max(1, self.loop.stats.decisions))
+            self.metrics.record_decision_seconds(self.loop.stats.last_decision_seconds)
         if change is not None:
             self._note_switch(change, decision)
         self.metrics.set_effective_concurrency(self._effective_concurrency())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -255,6 +256,35 @@ def test_control_loop_hands_request_windows_to_the_policies_that_read_them(polic
     requests = loop.stats.last_signals.requests
     assert len(requests) == (4 if sees_requests else 0)
     assert all(len(r.drafted) == loop.decide_every_steps for r in requests)
+
+
+def test_control_loop_times_each_decision_on_its_own():
+    """The decision-time histogram takes each decision's wall time: one slow decision must
+    show in its tail, not be averaged away with the fast ones before it."""
+    engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, max_num_seqs=4)
+    engine.submit(GenerationRequest("r0", prompt="a b c", max_tokens=400))
+    pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=3)
+    asyncio.run(pool.apply_initial())
+    static = build_policy({"name": "static", "k": 3}, pool.candidates)
+    delays = iter([0.0, 0.0, 0.0, 0.05])
+
+    class Timed:
+        name, reads_requests, decides_on_arrival = "timed", False, False
+
+        def decide(self, signals):
+            time.sleep(next(delays))
+            return static.decide(signals)
+
+    loop = ControlLoop(engine, pool, Timed())
+    engine.admit()
+    seen = []
+    for _ in range(4):
+        for _ in range(loop.decide_every_steps):
+            engine.step()
+        asyncio.run(loop.tick())
+        seen.append(loop.stats.last_decision_seconds)
+    assert max(seen[:3]) < 0.01
+    assert seen[3] >= 0.05
 
 
 @pytest.mark.parametrize(("start_k", "arriving", "tier"), [(15, "chat", 0), (0, "copy", 15)])
