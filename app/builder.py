@@ -103,4 +103,4 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
                             decide_every_steps=args.decide_every_steps,
                             telemetry_period_s=args.telemetry_period_s,
                             stream_interval_ms=args.stream_interval_ms),
-        model_name=args.engine.name, api_key=args.api_key)
+        model_name=args.engine.name, kmax=args.engine.effective_kmax, api_key=args.api_key)

@@ -32,6 +32,7 @@ from observability import tracing
 from observability.exposition import CONTENT_TYPE, render_prometheus
 from observability.metrics import RequestMetrics
 from policies.registry import parse_policy_config
+from replicas.tier_pool import validate_candidates
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
 MAX_BODY_BYTES = 1 << 20
@@ -208,9 +209,12 @@ async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse
 
 @serve.ingress(fastapi_app)
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, model_name: str, api_key: str | None = None):
+    def __init__(self, engine: DeploymentHandle, model_name: str, kmax: int,
+                 api_key: str | None = None):
         self.engine = engine
         self.model_name = model_name
+        self.kmax = kmax
+        """The engine's deepest tier: run-time candidate lists are checked against it."""
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         tracing.configure_tracing("specserve-ingress")
         self.metrics = RequestMetrics(f"ingress-{uuid.uuid4().hex[:8]}")
@@ -374,7 +378,12 @@ class Ingress:
                 raise ValueError('send {"policy": {...}} and/or {"candidates": [...]}')
             if "policy" in user_config:
                 parse_policy_config(user_config["policy"])
-        except ValueError as error:
+            if "candidates" in user_config:  # as the replicas' pools will check them
+                candidates = validate_candidates(user_config["candidates"], self.kmax)
+                initial_k = user_config.get("initial_k")
+                if initial_k is not None and initial_k not in candidates:
+                    raise ValueError(f"initial_k {initial_k} is not one of {list(candidates)}")
+        except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from error
         user_config["issued_at"] = time.time()  # orders run-time changes fleet-wide
         await self.engine.broadcast("reconfigure", user_config).results_async()

@@ -275,10 +275,12 @@ class EngineReplica:
         """
         if not user_config:
             return
-        await self._apply_config(user_config)
         issued_at = user_config.get("issued_at")
+        if issued_at is not None and issued_at <= self._applied_issued_at:
+            return  # applied already (from the hub), or older than a change applied since
+        await self._apply_config(user_config)
         if issued_at is not None:
-            self._applied_issued_at = max(self._applied_issued_at, issued_at)
+            self._applied_issued_at = issued_at
             self._tell_hub("set_policy_override", user_config)
         else:
             if self._serve_configs_seen:  # a redeploy, not this replica's start-up config
@@ -299,8 +301,10 @@ class EngineReplica:
             self.metrics.set_candidates(self.pool.candidates)
             if change is not None:
                 self._note_switch(change, Decision(change.to_k, "candidate tiers changed"))
-        if "policy" in user_config:
-            config = parse_policy_config(user_config["policy"])
+        if "policy" in user_config or "candidates" in user_config:
+            # A policy chooses among the tiers it was built with: new candidates rebuild it
+            # (its learned state starts over, as on a change of policy).
+            config = parse_policy_config(user_config.get("policy", self.policy_config))
             self.loop.replace_policy(build_policy(config, self.pool.candidates))
             self.policy_config = config.model_dump()
             if config.name == "static":  # apply at once rather than at the next decision

@@ -78,13 +78,16 @@ class TierPool:
 
     async def set_candidates(self, candidates: Sequence[int], initial_k: int | None = None
                              ) -> TierSwitch | None:
-        """Replace the candidate list at run time (within the engine's kmax, so no rebuild)."""
-        self.candidates = validate_candidates(candidates, self._engine.kmax)
+        """Replace the candidate list at run time (within the engine's kmax, so no rebuild).
+        Checked in full before anything changes: a bad list leaves the pool as it was."""
+        candidates = validate_candidates(candidates, self._engine.kmax)
         if initial_k is not None:
-            target = self._checked(initial_k)
-        elif self.active_k in self.candidates:
+            if initial_k not in candidates:
+                raise ValueError(f"initial_k {initial_k} is not one of {list(candidates)}")
+            target = initial_k
+        elif self.active_k in candidates:
             target = self.active_k
         else:  # the nearest candidate not above the old K, else the smallest
-            target = max((k for k in self.candidates if k <= self.active_k),
-                         default=self.candidates[0])
+            target = max((k for k in candidates if k <= self.active_k), default=candidates[0])
+        self.candidates = candidates
         return await self.switch(target)

@@ -264,3 +264,26 @@ def test_redeployed_user_config_reaches_every_replica_within_2s(client, app_url,
         thread.join()
     assert not failures
     assert {r["replica_id"] for r in state} == ids, "reconfigured, not replaced"
+
+
+def test_run_time_candidates_are_checked_and_the_policy_chooses_among_them(app_url):
+    """A bad candidate list gets a 400 and changes no replica; a good one alone (no policy)
+    rebuilds the running policy over the new tiers, so its choice holds at once."""
+    def tiers() -> list[tuple[list[int], int]]:
+        return sorted((r["candidates"], r["active_k"]) for r in replicas(app_url))
+
+    admin = f"{app_url}/admin/policy"
+    httpx.post(admin, json={"policy": {"name": "static", "k": 7}}, timeout=30).raise_for_status()
+    before = tiers()
+    for bad in ({"candidates": [0, 99]}, {"candidates": "abc"}, {"candidates": 5},
+                {"candidates": [3, 1]}, {"candidates": []},
+                {"candidates": [0, 1], "initial_k": 3}):
+        response = httpx.post(admin, json=bad, timeout=30)
+        assert response.status_code == 400, (bad, response.text)
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    assert tiers() == before
+    response = httpx.post(admin, json={"candidates": [0, 2, 5], "initial_k": 2}, timeout=30)
+    response.raise_for_status()
+    # static K=7 over [0, 2, 5] is K=5; the old policy's 7 would be no tier at all.
+    assert sorted((r["candidates"], r["active_k"]) for r in response.json()["replicas"]) == \
+        [([0, 2, 5], 5)] * 2

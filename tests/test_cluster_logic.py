@@ -517,3 +517,16 @@ def test_control_loop_sends_a_policys_caps_and_lifts_them_for_a_policy_without()
     loop.replace_policy(build_policy({"name": "static", "k": 15}, pool.candidates))
     window()
     assert window() == [30] * loop.decide_every_steps
+
+
+@pytest.mark.parametrize(("candidates", "initial_k"), [
+    ((0, 1), 3), ((0, 99), None), ((3, 1), None), ((), None)])
+def test_a_bad_candidate_change_leaves_the_pool_as_it_was(candidates, initial_k):
+    engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15)
+    pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=7)
+    asyncio.run(pool.apply_initial())
+    with pytest.raises(ValueError):
+        asyncio.run(pool.set_candidates(candidates, initial_k))
+    assert (pool.candidates, pool.active_k, engine.k) == ((0, 1, 3, 7, 15), 7, 7)
+    change = asyncio.run(pool.set_candidates((0, 2, 5)))
+    assert (pool.candidates, pool.active_k, change.from_k) == ((0, 2, 5), 5, 7)
