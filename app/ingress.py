@@ -339,7 +339,7 @@ class Ingress:
                                          failure_body), media_type="text/event-stream")
         last: dict[str, Any] | None = None
         text: list[str] = []
-        logprobs: list[dict[str, float]] = []
+        logprobs: list[dict[str, Any]] = []
         finish_reason = None
         try:
             async for chunk in chunks():

@@ -19,6 +19,23 @@ def error_body(status: int, message: str, kind: str, param: str | None = None,
 class CompletionFormat:
     def __init__(self, request_id: str, model: str):
         self.id, self.model, self.created = f"cmpl-{request_id}", model, int(time.time())
+        self._text_offset = 0
+        """Where the next token's text starts in the completion (legacy `text_offset`)."""
+
+    def _logprobs(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """OpenAI's legacy completion logprobs: each token, its logprob, the most likely
+        tokens at its position and where its text starts. Entries are the replica's:
+        {"token", "logprob", "top": [[token, logprob], ...]}."""
+        if not entries:
+            return None
+        offsets = []
+        for entry in entries:
+            offsets.append(self._text_offset)
+            self._text_offset += len(entry["token"])
+        return {"tokens": [entry["token"] for entry in entries],
+                "token_logprobs": [entry["logprob"] for entry in entries],
+                "top_logprobs": [dict(entry["top"]) for entry in entries],
+                "text_offset": offsets}
 
     def _base(self) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
@@ -26,13 +43,13 @@ class CompletionFormat:
 
     def delta(self, chunk: dict[str, Any], first: bool) -> dict[str, Any]:
         return {**self._base(), "choices": [{"index": 0, "text": chunk["text"],
-                                             "logprobs": _logprobs(chunk.get("logprobs")),
+                                             "logprobs": self._logprobs(chunk.get("logprobs")),
                                              "finish_reason": chunk["finish_reason"]}]}
 
     def full(self, text: str, finish_reason: str | None, last: dict[str, Any] | None,
-             logprobs: list[dict[str, float]] | None) -> dict[str, Any]:
+             logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
         return {**self._base(), "choices": [{"index": 0, "text": text,
-                                             "logprobs": _logprobs(logprobs),
+                                             "logprobs": self._logprobs(logprobs),
                                              "finish_reason": finish_reason}],
                 "usage": usage(last)}
 
@@ -45,6 +62,16 @@ class ChatFormat(CompletionFormat):
         super().__init__(request_id, model)
         self.id = f"chatcmpl-{request_id}"
 
+    def _logprobs(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        """OpenAI's chat logprobs: per token its text, logprob and UTF-8 bytes, and the
+        `top_logprobs` most likely tokens at its position in the same form."""
+        if not entries:
+            return None
+        return {"content": [{**_chat_token(entry["token"], entry["logprob"]),
+                             "top_logprobs": [_chat_token(token, logprob)
+                                              for token, logprob in entry["top"]]}
+                            for entry in entries]}
+
     def _base(self, final: bool = False) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion" if final else
                 "chat.completion.chunk", "created": self.created, "model": self.model}
@@ -53,14 +80,16 @@ class ChatFormat(CompletionFormat):
         delta: dict[str, Any] = {"content": chunk["text"]}
         if first:
             delta["role"] = "assistant"
-        return {**self._base(), "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                             "finish_reason": chunk["finish_reason"]}]}
+        return {**self._base(), "choices": [{
+            "index": 0, "delta": delta, "logprobs": self._logprobs(chunk.get("logprobs")),
+            "finish_reason": chunk["finish_reason"]}]}
 
     def full(self, text: str, finish_reason: str | None, last: dict[str, Any] | None,
-             logprobs: list[dict[str, float]] | None) -> dict[str, Any]:
+             logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
         return {**self._base(final=True), "choices": [{
             "index": 0, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": finish_reason}], "usage": usage(last)}
+            "logprobs": self._logprobs(logprobs), "finish_reason": finish_reason}],
+            "usage": usage(last)}
 
 
 def usage(last: dict[str, Any] | None) -> dict[str, int]:
@@ -70,12 +99,8 @@ def usage(last: dict[str, Any] | None) -> dict[str, int]:
             "total_tokens": prompt + completion}
 
 
-def _logprobs(entries: list[dict[str, float]] | None) -> dict[str, Any] | None:
-    """OpenAI's legacy completion logprobs: the top alternatives per generated token."""
-    if not entries:
-        return None
-    return {"top_logprobs": entries,
-            "token_logprobs": [max(entry.values()) if entry else None for entry in entries]}
+def _chat_token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 async def sse(chunks: AsyncIterator[dict[str, Any]], formatter: CompletionFormat,

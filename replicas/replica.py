@@ -166,7 +166,8 @@ class EngineReplica:
                    "prompt_tokens": chunk.prompt_tokens,
                    "completion_tokens": chunk.completion_tokens,
                    "finish_reason": chunk.finish_reason,
-                   "logprobs": [{str(t): lp for t, lp in entry.items()}
+                   "logprobs": [{"token": entry.token, "logprob": entry.logprob,
+                                 "top": [list(pair) for pair in entry.top]}
                                 for entry in chunk.logprobs] if chunk.logprobs else None}
 
     # ---- control ----------------------------------------------------------------------------

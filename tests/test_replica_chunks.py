@@ -12,6 +12,10 @@ import pytest
 
 from replicas.chunks import Chunk, coalesce, merge_chunks
 
+# As a replica sends a token's logprobs: the sampled token's and the most likely.
+LP2 = {"token": " ", "logprob": -0.1, "top": [[" ", -0.1]]}
+LP3 = {"token": "f", "logprob": -0.2, "top": [["f", -0.2]]}
+
 
 def chunk(text: str, tokens: list[int], completion: int, finish: str | None = None,
           logprobs: list[dict[str, float]] | None = None) -> Chunk:
@@ -19,7 +23,7 @@ def chunk(text: str, tokens: list[int], completion: int, finish: str | None = No
             "completion_tokens": completion, "finish_reason": finish, "logprobs": logprobs}
 
 
-STEPS = [chunk("def", [1], 1), chunk(" f", [2, 3], 3, logprobs=[{"2": -0.1}, {"3": -0.2}]),
+STEPS = [chunk("def", [1], 1), chunk(" f", [2, 3], 3, logprobs=[LP2, LP3]),
          chunk("():", [4], 4), chunk("", [], 4, finish="length")]
 
 
@@ -42,7 +46,7 @@ def test_not_streaming_the_first_chunk_comes_alone_and_the_rest_merge():
     assert first == STEPS[0]
     assert rest == {"text": " f():", "token_ids": [2, 3, 4], "prompt_tokens": 5,
                     "completion_tokens": 4, "finish_reason": "length",
-                    "logprobs": [{"2": -0.1}, {"3": -0.2}]}
+                    "logprobs": [LP2, LP3]}
     # What the ingress builds from them is what it builds from the chunks one per step.
     assert merge_chunks([first, rest]) == merge_chunks(STEPS)
 

@@ -354,6 +354,28 @@ def test_a_step_record_counts_the_positions_each_cap_closes():
     assert step.slots_per_pos == (4, 3, 3, 2, 2, 2, 2)
 
 
+@pytest.mark.parametrize("k", [0, 7])
+async def test_logprobs_name_each_sampled_token_and_the_most_likely_ones(ngram_engine, k):
+    """One entry per generated token, whether a step verified several drafts or one: the
+    sampled token's text and logprob, and the asked-for number of most likely tokens, most
+    likely first. Greedy picks the most likely token, so it heads its own list."""
+    await ngram_engine.set_k(k)
+    request = GenerationRequest(request_id=uuid.uuid4().hex, prompt=COPY_PROMPT,
+                                max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+    text, entries = "", []
+    async for chunk in ngram_engine.generate(request):
+        assert len(chunk.logprobs or ()) == len(chunk.token_ids)
+        text += chunk.text
+        entries.extend(chunk.logprobs or ())
+    assert len(entries) == 24
+    assert "".join(entry.token for entry in entries) == text
+    for entry in entries:
+        assert len(entry.top) == 3
+        assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+        assert entry.top[0] == (entry.token, entry.logprob)
+        assert entry.logprob <= 0
+
+
 async def test_prompt_too_long_is_an_input_error(ngram_engine):
     too_long = "x " * (ngram_engine.max_model_len * 2)
     with pytest.raises(EngineInputError):

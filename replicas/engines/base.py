@@ -36,6 +36,16 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability, with the most likely tokens at its position
+    (as many as the request asked for, most likely first)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationChunk:
     """New output since the previous chunk of the same request."""
 
@@ -45,7 +55,8 @@ class GenerationChunk:
     completion_tokens: int
     """Total so far, not the delta."""
     finish_reason: str | None = None
-    logprobs: tuple[dict[int, float], ...] | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """One per token of `token_ids`, when the request asked for logprobs."""
 
 
 @dataclass(frozen=True)

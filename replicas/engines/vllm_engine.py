@@ -15,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import logging.handlers
+import math
 import os
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from replicas.engines.base import (
     GenerationRequest,
     StepRecord,
     StepTimer,
+    TokenLogprob,
 )
 from replicas.engines.spec import REPO_ROOT, EngineSpec
 
@@ -398,7 +400,8 @@ class VllmEngine:
                     prompt_tokens=len(output.prompt_token_ids or ()),
                     completion_tokens=completion_tokens,
                     finish_reason=completion.finish_reason if output.finished else None,
-                    logprobs=_logprobs(completion.logprobs))
+                    logprobs=_logprobs(completion.token_ids, completion.logprobs,
+                                       request.logprobs or 0))
         finally:
             window = self._steps.windows.pop(request.request_id, None)
             if window:
@@ -439,7 +442,16 @@ def _acceptance(request_id: str, window: deque[tuple[int, int]]) -> RequestAccep
                              drafted=tuple(d for _, d in window))
 
 
-def _logprobs(entries: Any) -> tuple[dict[int, float], ...] | None:
+def _logprobs(token_ids: Sequence[int], entries: Any, top: int
+              ) -> tuple[TokenLogprob, ...] | None:
+    """vLLM's logprobs per position (the sampled token's, plus the `top` most likely, each
+    with its rank and text) as the sampled token's and the top ones, most likely first."""
     if entries is None:
         return None
-    return tuple({token: lp.logprob for token, lp in entry.items()} for entry in entries)
+    out = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        ranked = sorted(entry.values(), key=lambda lp: lp.rank if lp.rank is not None
+                        else math.inf)[:top]
+        out.append(TokenLogprob(entry[token_id].decoded_token or "", entry[token_id].logprob,
+                                tuple((lp.decoded_token or "", lp.logprob) for lp in ranked)))
+    return tuple(out)

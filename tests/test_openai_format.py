@@ -1,0 +1,55 @@
+"""OpenAI response bodies built from a replica's chunks: logprobs in the legacy completion
+form and the chat form, the same whether the chunks stream or arrive as one."""
+
+from __future__ import annotations
+
+from app.openai_format import ChatFormat, CompletionFormat
+
+# As a replica sends them: the sampled token, its logprob, the most likely at its position.
+ENTRIES = [{"token": "def", "logprob": -0.1, "top": [["def", -0.1], ["class", -2.5]]},
+           {"token": " f", "logprob": -0.7, "top": [[" g", -0.5], [" f", -0.7]]},
+           {"token": "é", "logprob": -1.0, "top": [["é", -1.0], ["e", -1.2]]}]
+
+
+def chunk(entries: list[dict], finish: str | None = None) -> dict:
+    return {"text": "".join(e["token"] for e in entries), "token_ids": [1] * len(entries),
+            "prompt_tokens": 3, "completion_tokens": 3, "finish_reason": finish,
+            "logprobs": entries}
+
+
+def test_completion_logprobs_name_the_sampled_tokens_not_the_most_likely():
+    body = CompletionFormat("r", "target").full("def fé", "length", chunk(ENTRIES), ENTRIES)
+    logprobs = body["choices"][0]["logprobs"]
+    assert logprobs == {"tokens": ["def", " f", "é"], "token_logprobs": [-0.1, -0.7, -1.0],
+                        "top_logprobs": [{"def": -0.1, "class": -2.5}, {" g": -0.5, " f": -0.7},
+                                         {"é": -1.0, "e": -1.2}],
+                        "text_offset": [0, 3, 5]}
+
+
+def test_streamed_completion_logprobs_continue_the_text_offsets():
+    formatter = CompletionFormat("r", "target")
+    first = formatter.delta(chunk(ENTRIES[:1]), first=True)["choices"][0]["logprobs"]
+    rest = formatter.delta(chunk(ENTRIES[1:]), first=False)["choices"][0]["logprobs"]
+    assert first["text_offset"] + rest["text_offset"] == [0, 3, 5]
+    assert first["tokens"] + rest["tokens"] == ["def", " f", "é"]
+
+
+def test_chat_logprobs_carry_bytes_and_top_logprobs_streamed_or_not():
+    whole = ChatFormat("r", "target").full("def fé", "stop", chunk(ENTRIES), ENTRIES)
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"]) for c in content] == [("def", -0.1), (" f", -0.7),
+                                                             ("é", -1.0)]
+    assert content[2]["bytes"] == [0xC3, 0xA9]
+    assert content[1]["top_logprobs"] == [{"token": " g", "logprob": -0.5, "bytes": [32, 103]},
+                                          {"token": " f", "logprob": -0.7,
+                                           "bytes": [32, 102]}]
+    formatter = ChatFormat("r", "target")
+    streamed = [formatter.delta(chunk([entry]), first=i == 0)["choices"][0]["logprobs"]
+                ["content"][0] for i, entry in enumerate(ENTRIES)]
+    assert streamed == content
+
+
+def test_no_logprobs_asked_none_given():
+    assert CompletionFormat("r", "t").full("x", "stop", None, None)["choices"][0][
+        "logprobs"] is None
+    assert ChatFormat("r", "t").delta(chunk([]), first=True)["choices"][0]["logprobs"] is None
