@@ -97,9 +97,17 @@ class EngineReplica:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def _render_chat(self, messages: list[dict[str, Any]]) -> str:
-        return self._tokenizer.apply_chat_template(messages, tokenize=False,
-                                                   add_generation_prompt=True)
+    def _render_chat(self, messages: list[dict[str, Any]]) -> tuple[int, ...]:
+        """The chat template's token ids, with nothing added: the template writes any BOS
+        itself (vLLM's server tokenizes chat the same way; encoding the rendered text again
+        would put a second BOS before a Llama 3 prompt's)."""
+        try:
+            rendered = self._tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+        except Exception as error:  # a role or order the template refuses, or no template
+            raise EngineInputError(f"the model's chat template refused the messages: {error}"
+                                   ) from error
+        return tuple(rendered["input_ids"])
 
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request: yields {"text", "token_ids", ...} chunks, or one {"error"}."""
@@ -116,11 +124,11 @@ class EngineReplica:
         error: BaseException | None = None
         finished = False
         try:
-            prompt = payload.get("prompt")
-            if payload.get("messages") is not None:
-                prompt = self._render_chat(payload["messages"])
+            chat = payload.get("messages")
             request = GenerationRequest(
-                request_id=payload["request_id"], prompt=prompt,
+                request_id=payload["request_id"],
+                prompt=payload.get("prompt") if chat is None else None,
+                prompt_token_ids=self._render_chat(chat) if chat is not None else None,
                 max_tokens=payload["max_tokens"], temperature=payload["temperature"],
                 top_p=payload["top_p"], seed=payload.get("seed"),
                 stop=tuple(payload.get("stop") or ()), logprobs=payload.get("logprobs"),

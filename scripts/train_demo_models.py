@@ -31,7 +31,10 @@ VOCAB_SIZE = 4096
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 # A plain-text chat format: the models were trained on source code, not on dialogue, so the
 # template only has to be stable and easy to copy from (which helps prompt-lookup drafting).
+# It writes the BOS the models were trained with itself, as Llama's templates do: chat
+# prompts are tokenized without adding special tokens, as vLLM's server tokenizes them.
 CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{% for message in messages %}"
     "### {{ message['role'] }}\n{{ message['content'] }}\n"
     "{% endfor %}"

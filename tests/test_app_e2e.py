@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from transformers import AutoTokenizer
 
 from bench.workloads import COPY_PROMPT, FREE_PROMPTS
 from policies.goodput import GoodputConfig
@@ -34,6 +35,15 @@ MAX_TOKENS = 32
 PROMPTS = [COPY_PROMPT, FREE_PROMPTS[0], FREE_PROMPTS[3]]
 CHAT = [{"role": "user", "content": "def add(a, b):"}]
 CHAT_PROMPT = "### user\ndef add(a, b):\n### assistant\n"  # models/target/chat_template.jinja
+
+
+def chat_ids() -> tuple[int, ...]:
+    """CHAT as the replicas render it: the template's token ids, nothing added."""
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
+    return tuple(tokenizer.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True,
+                                               return_dict=True)["input_ids"])
+
+
 # Each engine admits 4 sequences at a time, so routed load beyond that waits in the replica.
 ENGINES = {
     # Simulated steps three times the cpu-demo preset's (re-fitted at stop 41 to a faster
@@ -62,8 +72,9 @@ async def engine_alone(kind: str) -> dict[str, str]:
         for prompt in [*PROMPTS, CHAT_PROMPT]:
             text = ""
             async for chunk in engine.generate(GenerationRequest(
-                    request_id=uuid.uuid4().hex, prompt=prompt, max_tokens=MAX_TOKENS,
-                    temperature=0.0, ignore_eos=True)):
+                    request_id=uuid.uuid4().hex, prompt=None if prompt == CHAT_PROMPT else prompt,
+                    prompt_token_ids=chat_ids() if prompt == CHAT_PROMPT else None,
+                    max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)):
                 text += chunk.text
             outputs[prompt] = text
         return outputs
@@ -124,6 +135,15 @@ def test_completions_match_the_engine_alone(client, reference):
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == reference[PROMPTS[1]]
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_the_demo_chat_template_writes_one_bos_as_the_models_were_trained():
+    """Chat prompts are tokenized without adding special tokens (as vLLM's server does), so
+    the template writes the BOS: exactly the ids of the plain prompt encoded as text."""
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
+    ids = chat_ids()
+    assert list(ids) == tokenizer.encode(CHAT_PROMPT)
+    assert ids.count(tokenizer.bos_token_id) == 1 and ids[0] == tokenizer.bos_token_id
 
 
 def test_chat_applies_the_template_streaming_and_not(client, reference):
