@@ -192,10 +192,12 @@ class ClassGatheringRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self.in_flight: defaultdict[ReplicaID, int] = defaultdict(int)
         self.in_flight_classes: defaultdict[ReplicaID, Counter[str]] = defaultdict(Counter)
-        self._request_replica: dict[str, tuple[ReplicaID, str]] = {}
+        # Routed and not completed, by (request, replica): a request Serve retried on another
+        # replica completes on each, in either order, and each releases its own count.
+        self._routed: dict[tuple[str, ReplicaID], str] = {}
         # Chosen, not yet confirmed routed: requests that arrive together (a new wave) must
-        # not all see the same counts and pick the same replica.
-        self._reserved: dict[str, tuple[ReplicaID, float]] = {}
+        # not all see the same counts and pick the same replica. (replica, class, when)
+        self._reserved: dict[str, tuple[ReplicaID, str, float]] = {}
         self.recent = RecentByClass()
         self.router_id = uuid.uuid4().hex
         self.reporter = RoutedReporter(self.in_flight, self.router_id)
@@ -208,9 +210,12 @@ class ClassGatheringRouter(RequestRouter):
         if payload is not None:  # the replica counts its requests per router (others_in_handler)
             payload["router_id"] = self.router_id
         request_class = _request_class(payload)
-        request_id = pending_request.metadata.internal_request_id if pending_request else None
+        # Only generation is gathered and counted: a health probe (`ready`) is no request of
+        # any class, and must not move where a class went last.
+        request_id = pending_request.metadata.internal_request_id \
+            if pending_request is not None and payload is not None else None
         self._reserved.pop(request_id, None)  # a retry chooses afresh
-        reserved = self._reserved_counts()
+        reserved, reserved_same = self._reserved_counts(request_class)
         if len(candidate_replicas) > RANK_SAMPLE:
             wanted = set(self.recent.get(request_class))
             recent = [r for r in candidate_replicas if r.replica_id.unique_id in wanted]
@@ -222,7 +227,8 @@ class ClassGatheringRouter(RequestRouter):
             self.reporter.hub = stats.get("hub") or self.reporter.hub
             others, others_same = others_in_handler(self.router_id, request_class, stats)
             own = self.in_flight.get(replica.replica_id, 0) + reserved[replica.replica_id]
-            own_same = self.in_flight_classes[replica.replica_id][request_class]
+            own_same = self.in_flight_classes[replica.replica_id][request_class] + \
+                reserved_same[replica.replica_id]
             loads.append(ReplicaLoad(replica.replica_id.unique_id, own + others,
                                      own_same + others_same))
         best, *rest = rank_replicas(loads)
@@ -230,36 +236,43 @@ class ClassGatheringRouter(RequestRouter):
         pick = pick_warm(best, self.recent.last_class, request_class, self.rng)
         ranks = [[pick], *([[r for r in best if r != pick]] if len(best) > 1 else []), *rest]
         if request_id is not None:
-            self._reserved[request_id] = (by_id[pick].replica_id, time.monotonic())
-        self.recent.record(request_class, pick)
+            self._reserved[request_id] = (by_id[pick].replica_id, request_class,
+                                          time.monotonic())
+            self.recent.record(request_class, pick)
         logger.debug("routing a %s request over %s: %s", request_class, loads, ranks)
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
-    def _reserved_counts(self) -> Counter[ReplicaID]:
-        """Reservations per replica; one Serve never confirmed (the request was cancelled
-        while queued) lapses after `RESERVATION_S`."""
+    def _reserved_counts(self, request_class: str
+                         ) -> tuple[Counter[ReplicaID], Counter[ReplicaID]]:
+        """Reservations per replica, in all and of `request_class`; one Serve never
+        confirmed (the request was cancelled while queued) lapses after `RESERVATION_S`."""
         now = time.monotonic()
-        for request_id in [r for r, (_, at) in self._reserved.items()
+        for request_id in [r for r, (_, _, at) in self._reserved.items()
                            if now - at > RESERVATION_S]:
             del self._reserved[request_id]
-        return Counter(replica for replica, _ in self._reserved.values())
+        return (Counter(replica for replica, _, _ in self._reserved.values()),
+                Counter(replica for replica, cls, _ in self._reserved.values()
+                        if cls == request_class))
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
+        payload = _payload(pending_request)
+        if payload is None:  # not a generation request (see `choose_replicas`)
+            return
         request_id = pending_request.metadata.internal_request_id
-        request_class = _request_class(_payload(pending_request))
+        request_class = _request_class(payload)
         self._reserved.pop(request_id, None)
         self.in_flight[replica_id] += 1
         self.in_flight_classes[replica_id][request_class] += 1
-        self._request_replica[request_id] = (replica_id, request_class)
+        self._routed[(request_id, replica_id)] = request_class
         self.reporter.changed()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        routed = self._request_replica.pop(internal_request_id, None)
-        if routed is not None:
+        request_class = self._routed.pop((internal_request_id, replica_id), None)
+        if request_class is not None:
             self.in_flight[replica_id] = max(0, self.in_flight[replica_id] - 1)
             classes = self.in_flight_classes[replica_id]
-            classes[routed[1]] = max(0, classes[routed[1]] - 1)
+            classes[request_class] = max(0, classes[request_class] - 1)
             self.reporter.changed()
 
 

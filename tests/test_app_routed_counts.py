@@ -126,3 +126,52 @@ def test_router_counts_other_routers_requests_in_the_class_share():
     for i in range(8):  # the choice among equals is random: every draw must agree
         assert asyncio.run(first_choice("greedy", f"g{i}")) == "r1"
         assert asyncio.run(first_choice("sampled", f"s{i}")) == "r2"
+
+
+def _router_over(names: tuple[str, ...]) -> tuple[router.ClassGatheringRouter, list]:
+    gathering = object.__new__(router.ClassGatheringRouter)  # no Serve controller needed
+    gathering.initialize_state()
+    return gathering, [SimpleNamespace(replica_id=_ReplicaID(name), routing_stats={})
+                       for name in names]
+
+
+def _request(request_id: str, request_class: str | None) -> SimpleNamespace:
+    """A generation call (the ingress's payload) or, with no class, a `ready` probe."""
+    args = [{"request_class": request_class}] if request_class else []
+    return SimpleNamespace(args=args, metadata=SimpleNamespace(internal_request_id=request_id))
+
+
+def test_a_health_probe_is_neither_counted_nor_remembered_as_a_class():
+    gathering, replicas = _router_over(("r1", "r2"))
+    probe = _request("p", None)
+    ranks = asyncio.run(gathering.choose_replicas(replicas, probe))
+    gathering.on_request_routed(probe, ranks[0][0].replica_id, None)
+    assert not gathering.recent.get("greedy") and gathering.recent.last_class == {}
+    assert sum(gathering.in_flight.values()) == 0 and not gathering._reserved
+
+
+def test_a_request_retried_on_another_replica_releases_both_counts_in_any_order():
+    for first_done in ("r1", "r2"):
+        gathering, replicas = _router_over(("r1", "r2"))
+        request = _request("q", "greedy")
+        for replica in replicas:  # routed to r1, rejected, routed again to r2
+            gathering.on_request_routed(request, replica.replica_id, None)
+        order = sorted(replicas, key=lambda r: r.replica_id.unique_id != first_done)
+        for replica in order:
+            gathering.on_request_completed(replica.replica_id, "q")
+        assert sum(gathering.in_flight.values()) == 0
+        assert all(not any(c.values()) for c in gathering.in_flight_classes.values())
+
+
+def test_requests_chosen_together_count_as_their_class_before_serve_confirms_them(monkeypatch):
+    """A wave of one class: the second request sees the first's reservation as its own
+    class on that replica, not as another class (which would price the replica as mixed)."""
+    gathering, replicas = _router_over(("r1", "r2"))
+    seen: list[list] = []
+    rank = router.rank_replicas
+    monkeypatch.setattr(router, "rank_replicas", lambda loads: seen.append(loads) or rank(loads))
+    first = asyncio.run(gathering.choose_replicas(replicas, _request("a", "sampled")))
+    asyncio.run(gathering.choose_replicas(replicas, _request("b", "sampled")))
+    reserved_on = first[0][0].replica_id.unique_id
+    load = next(load for load in seen[1] if load.replica_id == reserved_on)
+    assert (load.load, load.same_class) == (1, 1)
