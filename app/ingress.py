@@ -37,6 +37,7 @@ from replicas.tier_pool import validate_candidates
 API_KEY_ENV = "SPECSERVE_API_KEY"
 MAX_BODY_BYTES = 1 << 20
 HEALTH_TIMEOUT_S = 5.0
+BROADCAST_TIMEOUT_S = 10.0  # /metrics, /admin: every replica answers within this
 GREEDY_BELOW = 1e-5  # temperature under which sampling is argmax (vLLM's threshold)
 # vLLM seeds a torch.Generator per request, which takes a 64-bit signed integer.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
@@ -215,6 +216,7 @@ class Ingress:
         self.model_name = model_name
         self.kmax = kmax
         """The engine's deepest tier: run-time candidate lists are checked against it."""
+        self.broadcast_timeout_s = BROADCAST_TIMEOUT_S
         self.api_key = api_key or os.environ.get(API_KEY_ENV) or None
         tracing.configure_tracing("specserve-ingress")
         self.metrics = RequestMetrics(f"ingress-{uuid.uuid4().hex[:8]}")
@@ -355,17 +357,35 @@ class Ingress:
 
     # ---- operations ---------------------------------------------------------------------------
 
+    async def _broadcast(self, method: str, *args: Any) -> list[Any]:
+        """Every live replica's answer, or its exception; one replica too slow to answer
+        within `broadcast_timeout_s` is a 503, not a request that never ends."""
+        try:
+            return await self.engine.broadcast(method, *args).results_async(
+                timeout_s=self.broadcast_timeout_s, return_exceptions=True)
+        except TimeoutError as error:
+            raise APIError(503, f"engine replicas did not answer {method} within "
+                                f"{self.broadcast_timeout_s:.0f} s", "server_error") from error
+
+    async def _from_every_replica(self, method: str) -> list[Any]:
+        """The answers of the replicas that gave one: a replica that fails (it is dying, say)
+        is logged and left out rather than failing the scrape or the view of the others."""
+        results = await self._broadcast(method)
+        for failure in (r for r in results if isinstance(r, BaseException)):
+            logger.warning("a replica failed %s: %r", method, failure)
+        return [r for r in results if not isinstance(r, BaseException)]
+
     @fastapi_app.get("/metrics")
     async def prometheus(self, request: Request) -> PlainTextResponse:
         self._authorize(request)
-        snapshots = await self.engine.broadcast("metrics_snapshot").results_async()
+        snapshots = await self._from_every_replica("metrics_snapshot")
         return PlainTextResponse(render_prometheus(self.metrics.snapshot(), *snapshots),
                                  media_type=CONTENT_TYPE)
 
     @fastapi_app.get("/admin/replicas")
     async def replicas(self, request: Request) -> dict[str, Any]:
         self._authorize(request)
-        return {"replicas": await self.engine.broadcast("stats").results_async()}
+        return {"replicas": await self._from_every_replica("stats")}
 
     @fastapi_app.post("/admin/policy")
     async def set_policy(self, request: Request) -> dict[str, Any]:
@@ -386,5 +406,12 @@ class Ingress:
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from error
         user_config["issued_at"] = time.time()  # orders run-time changes fleet-wide
-        await self.engine.broadcast("reconfigure", user_config).results_async()
-        return {"replicas": await self.engine.broadcast("stats").results_async()}
+        results = await self._broadcast("reconfigure", user_config)
+        failed = [result for result in results if isinstance(result, BaseException)]
+        if failed:  # a valid change the replica could not apply: a server fault
+            logger.error("reconfiguration failed on %d of %d replicas: %r", len(failed),
+                         len(results), failed)
+            raise APIError(500, f"the change failed on {len(failed)} of {len(results)} "
+                                "replicas (the others applied it); see the replica logs",
+                           "server_error")
+        return {"replicas": await self._from_every_replica("stats")}
