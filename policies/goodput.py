@@ -68,7 +68,7 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -134,9 +134,11 @@ class GoodputConfig(BaseModel):
     min_draft_cap: int = Field(1, ge=1)
     """Drafts a capped request still verifies: its evidence that drafts land again (a cap of
     0 would measure nothing, and the cap would never lift)."""
-    profile: list[tuple[int, int, float]] = Field(default_factory=list)
+    profile: list[tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=0)],
+                        Annotated[float, Field(gt=0)]]] = Field(default_factory=list)
     """Seed step costs: (batch, draft tokens per sequence, seconds) rows, e.g. from
-    `bench.engine_bench` at tiers the drafter fills (there the depth is K)."""
+    `bench.engine_bench` at tiers the drafter fills (there the depth is K). A batch of at
+    least 1, a depth of at least 0 and a positive time: costs divide the tokens."""
     tpot_slo_ms: float | None = Field(None, gt=0)
     """A bound on time per output token. When set, K is scored by the tokens a second of the
     requests it keeps within the bound (a request's step seconds over the tokens it gains a
@@ -301,7 +303,7 @@ class GoodputPolicy:
             return Decision(current, "no cost data yet")
         scores = _scores(parts, self._batch(signals))
         best = max(scores, key=lambda k: (scores[k], -k))  # ties go to the smaller K
-        inputs = {"batch": float(max(1, signals.effective_concurrency)),
+        inputs = {"batch": float(self._batch(signals)),
                   "score_current": scores[current], "score_best": scores[best],
                   # Why a score is what it is: tokens per sequence-step and the step's ms.
                   "tokens_current": parts[current][0], "tokens_best": parts[best][0],

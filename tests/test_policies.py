@@ -173,6 +173,14 @@ def settle(policy: GoodputPolicy, acceptance: float, batch: int, rounds: int = 3
     return k
 
 
+@pytest.mark.parametrize("row", [(1, 0, 0.0), (1, 3, -0.01), (0, 1, 0.01), (1, -1, 0.01)])
+def test_goodput_refuses_a_profile_row_it_could_not_divide_by(row):
+    """A zero or negative step time, or no batch, would divide the tokens by nothing at the
+    first step measured: the config is refused (a 400 at the admin route), not the replica."""
+    with pytest.raises(ValueError):
+        build_policy({"name": "goodput", "profile": [(1, 0, 0.002), row]}, CANDIDATES)
+
+
 def test_goodput_speculates_deep_when_drafts_land_and_stops_when_they_miss():
     assert settle(goodput(), acceptance=1.0, batch=1) == 15
     assert settle(goodput(), acceptance=0.0, batch=8) == 0
