@@ -287,11 +287,7 @@ class ReplicaMetrics(_Recorder):
                 drafted += step.draft_tokens
                 accepted += step.accepted_tokens
                 _add_into(self._accepted_pos, step.accepted_per_pos)
-                if step.drafted_per_pos:
-                    _add_into(self._drafted_pos, step.drafted_per_pos)
-                elif step.drafts and step.draft_tokens == step.drafts * step.k:
-                    # Every sequence drafted the full K: each position reached `drafts` times.
-                    _add_into(self._drafted_pos, (step.drafts,) * step.k)
+                _add_into(self._drafted_pos, step.drafted_per_pos)
                 if step.drafts:
                     step_means.append(1.0 + step.accepted_tokens / step.drafts)
             self._draft_tokens += drafted

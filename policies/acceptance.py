@@ -110,13 +110,17 @@ class BatchAcceptance:
                verified: Callable[[np.ndarray], np.ndarray] | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
         """Per K in `ks`, once the batch's mix has settled there: (tokens per sequence-step,
-        drafts verified per sequence). Each request drafts min(K, its cap) (`caps`, one per
-        row; None: K for all) positions, of which the drafter fills `verified(depth)` (all
-        without it), and keeps its share w_r of the tokens, so the batch makes
-        1 / sum_r (w_r / L_r) tokens per sequence-step and holds each request in a share of
-        its slots proportional to w_r / L_r. Drafts are mapped per request, then averaged:
-        the drafter fills fewer deep positions, so the mean depth's drafts would overcharge
-        a batch that caps some requests shallow and lets others draft deep."""
+        drafts verified per sequence). Speculation changes a batch's mix: requests whose
+        drafts land finish in fewer steps at a deeper K, and their slots go to requests
+        whose drafts fail, so the mean over the batch as it is now would overstate a deeper
+        K for a mixed batch (and once there, still prefer it at that K's thinner mix). Each
+        request drafts min(K, its cap) (`caps`, one per row; None: K for all) positions, of
+        which the drafter fills `verified(depth)` (all without it), and keeps its share w_r
+        of the tokens, so the batch makes 1 / sum_r (w_r / L_r) tokens per sequence-step and
+        holds each request in a share of its slots proportional to w_r / L_r. Drafts are
+        mapped per request, then averaged: the drafter fills fewer deep positions, so the
+        mean depth's drafts would overcharge a batch that caps some requests shallow and
+        lets others draft deep."""
         depths = self._depths(np.array(ks)[:, None], caps)  # [ks, rows]
         slots = self.tokens / self.lengths[depths, np.arange(self.tokens.shape[0])]
         per_slot = slots.sum(axis=1)
@@ -208,25 +212,6 @@ def batch_acceptance(requests: RequestWindows, landing: list[float], prior_stren
         tokens = tokens.astype(float)
         tokens[new] = requests.lengths[~new].mean() * lengths[min(depth, kmax), new]
     return BatchAcceptance(reach, lengths, tokens, full_runs)
-
-
-def steady_lengths(requests: RequestWindows, landing: list[float], prior_strength: float,
-                   ks: tuple[int, ...], request_priors: Sequence[tuple[float, ...]] = ()
-                   ) -> dict[int, float] | None:
-    """Tokens per sequence-step at each depth in `ks` once the batch's mix has settled there,
-    every request drafting K (see `batch_acceptance`, `BatchAcceptance.steady`); None without
-    outcomes or class priors.
-
-    Speculation changes a batch's mix: requests whose drafts land finish in fewer steps at a
-    deeper K, and their slots go to requests whose drafts fail. The mean over the batch as it
-    is now overstates a deeper K for a mixed batch, and once there it still prefers the deep
-    K at that K's own, thinner mix.
-    """
-    batch = batch_acceptance(requests, landing, prior_strength, request_priors)
-    if batch is None:
-        return None
-    per_step, _ = batch.steady(ks)
-    return dict(zip(ks, per_step.tolist(), strict=True))
 
 
 def _guesses(landing: list[float], request_priors: Sequence[tuple[float, ...]], rows: int

@@ -47,7 +47,7 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   so the fleet probes a class about once an interval instead of once per replica.
 - A batch that mixes requests whose drafts land with requests whose drafts fail is scored by
   its steady state, from the per-request outcomes an engine reports (vLLM's and the
-  simulator do; see `policies.acceptance.steady_lengths`): 1 + q * sum p[k] is the mean
+  simulator do; see `BatchAcceptance.steady`): 1 + q * sum p[k] is the mean
   over the batch as it is now, and a deeper K changes the batch (the landing requests
   finish sooner and the others take their slots).
 - Step costs are measured on this replica every step (seeded by a profile table scaled to the

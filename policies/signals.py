@@ -201,7 +201,6 @@ class Signals:
     new_class: bool = False
     """A request of a class the replica did not hold at the previous decision arrived (the
     control loop then asks at once: see `Policy.decides_on_arrival`)."""
-    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def local_batch(self) -> int:

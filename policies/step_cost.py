@@ -98,9 +98,6 @@ class StepCostModel:
             self._profiled[key] = _predict_row(self._profile, float, batch, (k,)).get(k)
         return self._profiled[key]
 
-    def known(self) -> list[int]:
-        return sorted(self._points)
-
     def _value(self, point: _CostPoint) -> float:
         return point.seconds if point.measured else point.seconds * self.scale
 

@@ -14,7 +14,6 @@ request; vLLM's V1 runner uses piecewise graphs under dynamic SD, which cover an
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,7 +50,6 @@ class TierPool:
         self.candidates = validate_candidates(candidates, engine.kmax)
         self.active_k = self.candidates[-1] if initial_k is None else self._checked(initial_k)
         self.switch_count = 0
-        self.recent_switch_seconds: deque[float] = deque(maxlen=1024)
 
     def _checked(self, k: int) -> int:
         if k not in self.candidates:
@@ -73,7 +71,6 @@ class TierPool:
         change = TierSwitch(self.active_k, k, seconds)
         self.active_k = k
         self.switch_count += 1
-        self.recent_switch_seconds.append(seconds)
         return change
 
     async def set_candidates(self, candidates: Sequence[int], initial_k: int | None = None

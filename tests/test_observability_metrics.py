@@ -20,9 +20,9 @@ STEPS = [
     StepRecord(running=2, waiting=1, k=3, wall_s=0.01, drafts=2, draft_tokens=6,
                accepted_tokens=2, accepted_per_pos=(1, 1, 0), drafted_per_pos=(2, 2, 2),
                generated_tokens=4),
-    # K=3, no per-position draft counts: inferred as every sequence drafting the full K.
     StepRecord(running=2, waiting=0, k=3, wall_s=0.01, drafts=2, draft_tokens=6,
-               accepted_tokens=5, accepted_per_pos=(2, 2, 1), generated_tokens=7),
+               accepted_tokens=5, accepted_per_pos=(2, 2, 1), drafted_per_pos=(2, 2, 2),
+               generated_tokens=7),
     # K=0: no spec stats.
     StepRecord(running=3, waiting=0, k=0, wall_s=0.01, generated_tokens=3),
     # K=1

@@ -14,7 +14,6 @@ from policies.acceptance import (
     AcceptanceWindow,
     BatchAcceptance,
     batch_acceptance,
-    steady_lengths,
 )
 from policies.base import Policy
 from policies.batch_table import lookup
@@ -33,6 +32,14 @@ from policies.stability import StabilityConfig, StabilityPolicy, request_lengths
 from policies.step_cost import DraftFill, StepCostModel
 
 CANDIDATES = (0, 1, 3, 7, 15)
+
+
+def steady_lengths(requests: RequestWindows, landing: list[float], prior_strength: float,
+                   ks: tuple[int, ...], request_priors=()) -> dict[int, float] | None:
+    """Tokens per sequence-step at each depth once the batch's mix has settled there, as
+    `goodput` reads them (`BatchAcceptance.steady`, every request drafting K)."""
+    batch = batch_acceptance(requests, landing, prior_strength, request_priors)
+    return None if batch is None else dict(zip(ks, batch.steady(ks)[0].tolist(), strict=True))
 
 
 def window(k: int, acceptance: float, batch: int = 4, steps: int = 4,

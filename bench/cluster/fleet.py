@@ -128,7 +128,7 @@ class ModeOutcome:
 class OracleK:
     """The K that maximises tokens/s, from the true acceptance of each request the next step
     will run and the true step cost (see `ORACLE`); no margin, no dwell. Tokens per step are
-    the batch's steady state at K, as `policies.acceptance.steady_lengths` estimates it: each
+    the batch's steady state at K, as `BatchAcceptance.steady` estimates it: each
     class keeps its share of the tokens (its share now, at the current K), so the batch makes
     1 / sum_c (w_c / L_c(K)) tokens per sequence-step. The batch as it is now would overstate
     a deep K for a mix: its copy-like requests leave sooner and the others take their slots.

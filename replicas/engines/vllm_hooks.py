@@ -1,12 +1,13 @@
 """The one run-time K hook into vLLM. Runs inside vLLM's engine-core process.
 
-vLLM has no public run-time setter for the speculation depth. Its dynamic speculative
-decoding (`num_speculative_tokens_per_batch_size`) makes the scheduler read K from a dense
-lookup `dynamic_sd_lookup[batch_size]` every step, and the drafter follows the scheduler. We
-start the engine with a one-row table `[[1, max_num_seqs, kmax]]` and a scheduler subclass that
-can rewrite that lookup; `EngineCore.specserve_set_k` exposes it as a utility method, which the
-frontend reaches with `engine_core.call_utility_async(SET_K_UTILITY, k)`. Utility calls are
-handled between scheduler steps, so a switch never races a step.
+vLLM has no public run-time setter for the speculation depth. Its dynamic speculative decoding
+(`num_speculative_tokens_per_batch_size`) makes the scheduler read K from a dense lookup
+`dynamic_sd_lookup[batch_size]` every step, and the drafter follows the scheduler. We start the
+engine with a table that names every candidate tier (`start_up_schedule`: vLLM prepares a
+verify shape for each K in it) and a scheduler subclass that can rewrite that lookup;
+`EngineCore.specserve_set_k` exposes it as a utility method, which the frontend reaches with
+`engine_core.call_utility_async(SET_K_UTILITY, k)`. Utility calls are handled between scheduler
+steps, so a switch never races a step.
 
 The scheduler also cuts a request's drafts to a per-request cap (`specserve_set_draft_caps`)
 when drafts come back between steps, so one K can serve a batch whose requests want different
