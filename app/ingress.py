@@ -16,7 +16,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -71,8 +71,11 @@ class SamplingFields(BaseModel):
             raise ValueError("only n=1 is supported")
         return n
 
-    def limit(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or 16
+    def limit(self) -> int | None:
+        """The request's token limit; None (chat only) lets the replica fill the context."""
+        return self.max_completion_tokens or self.max_tokens or self.default_limit
+
+    default_limit: ClassVar[int | None] = 16  # OpenAI's legacy completions default
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -102,6 +105,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(SamplingFields):
+    # Without a limit a chat reply runs to its end or the context's, as OpenAI's and vLLM's.
+    default_limit: ClassVar[int | None] = None
+
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)

@@ -125,11 +125,15 @@ class EngineReplica:
         finished = False
         try:
             chat = payload.get("messages")
+            chat_ids = self._render_chat(chat) if chat is not None else None
+            max_tokens = payload["max_tokens"]
+            if max_tokens is None and chat_ids is not None:  # to the end of the context
+                max_tokens = max(1, self.engine.max_model_len - len(chat_ids))
             request = GenerationRequest(
                 request_id=payload["request_id"],
                 prompt=payload.get("prompt") if chat is None else None,
-                prompt_token_ids=self._render_chat(chat) if chat is not None else None,
-                max_tokens=payload["max_tokens"], temperature=payload["temperature"],
+                prompt_token_ids=chat_ids,
+                max_tokens=max_tokens, temperature=payload["temperature"],
                 top_p=payload["top_p"], seed=payload.get("seed"),
                 stop=tuple(payload.get("stop") or ()), logprobs=payload.get("logprobs"),
                 ignore_eos=payload.get("ignore_eos", False),

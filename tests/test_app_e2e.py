@@ -161,6 +161,16 @@ def test_chat_applies_the_template_streaming_and_not(client, reference):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == MAX_TOKENS
 
 
+def test_chat_without_a_limit_runs_to_the_end_of_the_context(client, kind):
+    """As OpenAI's and vLLM's chat: no `max_tokens` means up to the context, not the legacy
+    completions' 16 tokens."""
+    reply = client.chat.completions.create(model="target", messages=CHAT, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == \
+        EngineSpec(**ENGINES[kind]).max_model_len
+
+
 def test_models_and_health(app_url, client):
     assert [m.id for m in client.models.list()] == ["target"]
     assert httpx.get(f"{app_url}/health", timeout=30).json() == {"status": "ok"}
