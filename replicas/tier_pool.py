@@ -13,6 +13,7 @@ request; vLLM's V1 runner uses piecewise graphs under dynamic SD, which cover an
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ class TierPool:
         self.candidates = validate_candidates(candidates, engine.kmax)
         self.active_k = self.candidates[-1] if initial_k is None else self._checked(initial_k)
         self.switch_count = 0
+        # The control loop and a run-time reconfiguration both switch: one at a time, so
+        # `active_k` is always the tier the engine was last set to.
+        self._lock = asyncio.Lock()
 
     def _checked(self, k: int) -> int:
         if k not in self.candidates:
@@ -62,6 +66,10 @@ class TierPool:
 
     async def switch(self, k: int) -> TierSwitch | None:
         """Make `k` the active tier from the next engine step on; None when already active."""
+        async with self._lock:
+            return await self._switch(k)
+
+    async def _switch(self, k: int) -> TierSwitch | None:
         k = self._checked(k)
         if k == self.active_k:
             return None
@@ -78,13 +86,15 @@ class TierPool:
         """Replace the candidate list at run time (within the engine's kmax, so no rebuild).
         Checked in full before anything changes: a bad list leaves the pool as it was."""
         candidates = validate_candidates(candidates, self._engine.kmax)
-        if initial_k is not None:
-            if initial_k not in candidates:
-                raise ValueError(f"initial_k {initial_k} is not one of {list(candidates)}")
-            target = initial_k
-        elif self.active_k in candidates:
-            target = self.active_k
-        else:  # the nearest candidate not above the old K, else the smallest
-            target = max((k for k in candidates if k <= self.active_k), default=candidates[0])
-        self.candidates = candidates
-        return await self.switch(target)
+        if initial_k is not None and initial_k not in candidates:
+            raise ValueError(f"initial_k {initial_k} is not one of {list(candidates)}")
+        async with self._lock:
+            if initial_k is not None:
+                target = initial_k
+            elif self.active_k in candidates:
+                target = self.active_k
+            else:  # the nearest candidate not above the old K, else the smallest
+                target = max((k for k in candidates if k <= self.active_k),
+                             default=candidates[0])
+            self.candidates = candidates
+            return await self._switch(target)

@@ -530,3 +530,24 @@ def test_a_bad_candidate_change_leaves_the_pool_as_it_was(candidates, initial_k)
     assert (pool.candidates, pool.active_k, engine.k) == ((0, 1, 3, 7, 15), 7, 7)
     change = asyncio.run(pool.set_candidates((0, 2, 5)))
     assert (pool.candidates, pool.active_k, change.from_k) == ((0, 2, 5), 5, 7)
+
+
+def test_switches_made_at_once_apply_one_after_the_other():
+    """The control loop and a reconfiguration switching together: the pool's tier is always
+    the one the engine was last set to, and each switch starts from the one before."""
+    class SlowEngine(SimulatedEngine):
+        async def set_k(self, k: int) -> None:
+            await asyncio.sleep(0.03 if k == 3 else 0.001)  # a utility call to the engine
+            await super().set_k(k)
+
+    async def scenario() -> tuple[TierPool, SimulatedEngine, list]:
+        engine = SlowEngine(PRESETS["cpu-demo"], kmax=15)
+        pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=0)
+        await pool.apply_initial()
+        changes = await asyncio.gather(pool.switch(3), pool.switch(7),
+                                       pool.set_candidates((0, 7, 15), initial_k=15))
+        return pool, engine, changes
+
+    pool, engine, changes = asyncio.run(scenario())
+    assert [(c.from_k, c.to_k) for c in changes] == [(0, 3), (3, 7), (7, 15)]
+    assert pool.active_k == engine.k == 15 and pool.switch_count == 3
