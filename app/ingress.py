@@ -124,6 +124,14 @@ class APIError(Exception):
         return error_body(self.status, self.message, self.kind, self.param, self.code)
 
 
+def request_status(error: BaseException | None) -> str:
+    """A finished request's status label: ok, cancelled (the client went away: its task was
+    cancelled, or its response stream closed) or error."""
+    if error is None:
+        return "ok"
+    return "cancelled" if isinstance(error, asyncio.CancelledError | GeneratorExit) else "error"
+
+
 def generation_failed(request_id: str, error: BaseException) -> APIError:
     """A request cut off after it started (its replica died, say): logged with the cause,
     answered without it, since a Ray error's text is the replica's traceback."""
@@ -334,8 +342,7 @@ class Ingress:
                                 completion_tokens=completion)
             self.metrics.record_request(
                 body.model, e2e_s=time.perf_counter() - started, ttft_s=ttft,
-                prompt_tokens=prompt, completion_tokens=completion,
-                status="ok" if error is None else "error")
+                prompt_tokens=prompt, completion_tokens=completion, status=request_status(error))
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -355,9 +362,11 @@ class Ingress:
                 text.append(chunk["text"])
                 logprobs.extend(chunk.get("logprobs") or [])
                 finish_reason = chunk["finish_reason"] or finish_reason
-        except Exception as error:
+        except BaseException as error:  # the replica failed, or the client went away
             await finish(last, error)
-            raise generation_failed(payload["request_id"], error) from error
+            if isinstance(error, Exception):
+                raise generation_failed(payload["request_id"], error) from error
+            raise
         await finish(last, None)
         return formatter.full("".join(text), finish_reason, last, logprobs or None)
 

@@ -120,6 +120,9 @@ async def sse(chunks: AsyncIterator[dict[str, Any]], formatter: CompletionFormat
     except Exception as failure:  # mid-stream: the status line is gone, report in-band
         error = failure
         yield f"data: {json.dumps(failure_body(failure))}\n\n"
+    except BaseException as gone:  # the client disconnected: nobody to tell
+        error = gone
+        raise
     finally:
         await finish(last, error)
 

@@ -3,7 +3,10 @@ form and the chat form, the same whether the chunks stream or arrive as one."""
 
 from __future__ import annotations
 
-from app.openai_format import ChatFormat, CompletionFormat
+import asyncio
+
+from app.ingress import request_status
+from app.openai_format import ChatFormat, CompletionFormat, sse
 
 # As a replica sends them: the sampled token, its logprob, the most likely at its position.
 ENTRIES = [{"token": "def", "logprob": -0.1, "top": [["def", -0.1], ["class", -2.5]]},
@@ -53,3 +56,28 @@ def test_no_logprobs_asked_none_given():
     assert CompletionFormat("r", "t").full("x", "stop", None, None)["choices"][0][
         "logprobs"] is None
     assert ChatFormat("r", "t").delta(chunk([]), first=True)["choices"][0]["logprobs"] is None
+
+
+def test_a_stream_the_client_left_finishes_as_cancelled_not_ok():
+    """A client that disconnects mid-stream closes the response's generator: the request is
+    finished once, with the error that says so, and counted as cancelled."""
+    finished: list = []
+
+    async def chunks():
+        for entry in ENTRIES:
+            yield chunk([entry])
+
+    async def finish(last, error):
+        finished.append((last, error))
+
+    async def scenario() -> None:
+        events = sse(chunks(), CompletionFormat("r", "t"), False, finish, lambda e: {})
+        await anext(events)
+        await events.aclose()
+
+    asyncio.run(scenario())
+    assert len(finished) == 1
+    assert request_status(finished[0][1]) == "cancelled"
+    assert [request_status(e) for e in (None, RuntimeError("engine died"),
+                                        asyncio.CancelledError())] == ["ok", "error",
+                                                                      "cancelled"]
