@@ -248,9 +248,11 @@ class Ingress:
 
     async def _body(self, request: Request, model: type[BaseModel]) -> Any:
         self._authorize(request)
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
+        raw = bytearray()  # read no further than the limit: a huge body is refused, not held
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY_BYTES:
+                raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
