@@ -236,6 +236,27 @@ def test_simulator_outputs_do_not_depend_on_k_and_control_loop_switches():
     assert len(outputs[0]) == 40 and outputs[0] == outputs[1] == outputs[2]
 
 
+def test_a_simulated_stream_read_late_names_each_chunks_own_tokens():
+    """The engine runs ahead of a slow reader: every chunk still carries its own positions'
+    tokens, and the output is the one a prompt gives at any speed."""
+    async def run(reader_delay_s: float) -> tuple[list[int], list[int]]:
+        engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, time_scale=0.0)
+        await engine.start()
+        await engine.set_k(7)
+        ids, counts = [], []
+        async for chunk in engine.generate(GenerationRequest("r", prompt="a b c",
+                                                             max_tokens=60, temperature=0)):
+            ids.extend(chunk.token_ids)
+            counts.append(chunk.completion_tokens)
+            await asyncio.sleep(reader_delay_s)
+        await engine.shutdown()
+        return ids, counts
+
+    (fast, _), (slow, counts) = asyncio.run(run(0.0)), asyncio.run(run(0.01))
+    assert slow == fast and len(slow) == 60 and len(set(slow)) > 1
+    assert counts == sorted(counts) and counts[-1] == 60
+
+
 @pytest.mark.parametrize(("policy", "sees_requests"),
                          [({"name": "goodput"}, True), ({"name": "stability"}, True),
                           ({"name": "ema"}, False), ({"name": "static", "k": 3}, False)])

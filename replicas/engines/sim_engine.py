@@ -232,12 +232,11 @@ class SimulatedEngine:
         prompt_tokens = len(prompt.split())
         try:
             while True:
-                new_tokens, finished = await entry.queue.get()
-                ids = tuple(token_at(prompt, entry.generated - len(new_tokens) + i)
-                            for i in range(len(new_tokens)))
+                first, count, finished = await entry.queue.get()
+                ids = tuple(token_at(prompt, first + i) for i in range(count))
                 yield GenerationChunk(
                     token_ids=ids, text="".join(f" t{t}" for t in ids),
-                    prompt_tokens=prompt_tokens, completion_tokens=entry.generated,
+                    prompt_tokens=prompt_tokens, completion_tokens=first + count,
                     finish_reason="length" if finished else None)
                 if finished:
                     return
@@ -276,8 +275,10 @@ class SimulatedEngine:
             # Position p landed in every sequence-step whose run reached p + 1.
             accepted_pos[:k] = reaching(np.bincount(ran, minlength=k + 1)).tolist()
         for slot, entry in self._streams.items():
+            # (first position, tokens, finished): a reader that falls behind still names
+            # each chunk's own positions.
+            entry.queue.put_nowait((entry.generated, int(tokens[slot]), bool(finished[slot])))
             entry.generated += int(tokens[slot])
-            entry.queue.put_nowait(((0,) * int(tokens[slot]), bool(finished[slot])))
         self.just_finished = []
         slots = np.flatnonzero(finished)
         if slots.size:
