@@ -287,7 +287,8 @@ class VllmEngine:
 
     @property
     def tokenizer(self) -> Any:
-        """The engine's Hugging Face tokenizer (chat templates, token counts)."""
+        """The engine's Hugging Face tokenizer: it encodes text prompts (chat is rendered
+        to token ids by the replica)."""
         return self.llm.tokenizer
 
     async def start(self) -> None:
