@@ -124,6 +124,9 @@ class EngineReplica:
         error: BaseException | None = None
         finished = False
         try:
+            if payload.get("logprobs") is not None and not self.engine.returns_logprobs:
+                raise EngineInputError(f"logprobs are not available from the "
+                                       f"{self.engine.name} engine")
             chat = payload.get("messages")
             chat_ids = self._render_chat(chat) if chat is not None else None
             max_tokens = payload["max_tokens"]

@@ -171,6 +171,27 @@ def test_chat_without_a_limit_runs_to_the_end_of_the_context(client, kind):
         EngineSpec(**ENGINES[kind]).max_model_len
 
 
+def test_logprobs_come_from_vllm_and_the_simulator_says_it_has_none(client, kind):
+    """vLLM's: one entry per token in OpenAI's forms, greedy's token heading its own list.
+    The simulator has no distribution to report: a clear 400, not a silent null."""
+    if kind == "sim":
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=8,
+                                      logprobs=2)
+        return
+    text = client.completions.create(model="target", prompt=PROMPTS[0], max_tokens=8,
+                                     temperature=0, logprobs=2,
+                                     extra_body={"ignore_eos": True}).choices[0]
+    assert len(text.logprobs.tokens) == 8 and "".join(text.logprobs.tokens) == text.text
+    assert all(len(top) == 2 for top in text.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model="target", messages=CHAT, max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True}).choices[0]
+    content = chat.logprobs.content
+    assert "".join(c.token for c in content) == chat.message.content and len(content) == 8
+    assert all(c.top_logprobs[0].token == c.token for c in content)
+
+
 def test_models_and_health(app_url, client):
     assert [m.id for m in client.models.list()] == ["target"]
     assert httpx.get(f"{app_url}/health", timeout=30).json() == {"status": "ok"}

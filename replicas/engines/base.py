@@ -243,6 +243,8 @@ class Engine(Protocol):
     name: str
     kmax: int
     max_model_len: int
+    returns_logprobs: bool
+    """Whether `generate` fills `GenerationChunk.logprobs` when a request asks for them."""
 
     async def start(self) -> None: ...
 

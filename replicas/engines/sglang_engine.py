@@ -51,6 +51,7 @@ def step_from_verify(record: dict[str, Any], kmax: int, timer: StepTimer) -> Ste
 
 class SglangEngine:
     name = "sglang"
+    returns_logprobs = False  # not wired through the adapter yet
 
     def __init__(self, spec: EngineSpec, replica_rank: int = 0):
         if spec.drafter not in ALGORITHMS:

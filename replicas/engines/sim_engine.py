@@ -65,6 +65,7 @@ class SimulatedEngine:
     """A simulator engine (see module docstring); `time_scale` stretches simulated time."""
 
     name = "sim"
+    returns_logprobs = False  # a simulator has no distribution
     applies_draft_caps = True
 
     def __init__(self, preset: SimPreset, kmax: int = 15, max_num_seqs: int = 64,

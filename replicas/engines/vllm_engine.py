@@ -267,6 +267,7 @@ class VllmEngine:
     """A real vLLM engine (`AsyncLLM`) whose speculation depth changes between steps."""
 
     name = "vllm"
+    returns_logprobs = True
 
     def __init__(self, spec: EngineSpec, replica_rank: int = 0):
         if spec.engine != "vllm":
