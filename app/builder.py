@@ -55,9 +55,7 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _candidates_fit_engine(self) -> AppArgs:
-        validate_candidates(self.candidates, self.engine.effective_kmax)
-        if self.initial_k is not None and self.initial_k not in self.candidates:
-            raise ValueError(f"initial_k {self.initial_k} is not a candidate")
+        validate_candidates(self.candidates, self.engine.effective_kmax, self.initial_k)
         return self
 
 

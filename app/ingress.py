@@ -416,10 +416,8 @@ class Ingress:
             if "policy" in user_config:
                 parse_policy_config(user_config["policy"])
             if "candidates" in user_config:  # as the replicas' pools will check them
-                candidates = validate_candidates(user_config["candidates"], self.kmax)
-                initial_k = user_config.get("initial_k")
-                if initial_k is not None and initial_k not in candidates:
-                    raise ValueError(f"initial_k {initial_k} is not one of {list(candidates)}")
+                validate_candidates(user_config["candidates"], self.kmax,
+                                    user_config.get("initial_k"))
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from error
         user_config["issued_at"] = time.time()  # orders run-time changes fleet-wide

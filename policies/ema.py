@@ -152,13 +152,17 @@ class EmaPolicy:
         """The slot of the last decision: the engine ran its K since."""
 
     def slot_for(self, batch: int) -> EmaSlot:
-        bound = max((b for b in self.bounds if b <= batch), default=self.bounds[0])
-        return self.slots[bound]
+        return self.slots[self._bound_for(batch)]
+
+    def _bound_for(self, batch: int) -> int:
+        """The batch-size lower bound of the slot that serves `batch`."""
+        return max((b for b in self.bounds if b <= batch), default=self.bounds[0])
 
     def decide(self, signals: Signals) -> Decision:
         batch = max(1, signals.effective_concurrency if self.config.concurrency_source ==
                     "effective" else signals.local_batch)
-        slot = self.slot_for(batch)
+        bound = self._bound_for(batch)
+        slot = self.slots[bound]
         ran = self._ran or slot
         if signals.running:
             mean = (signals.accepted_tokens / signals.drafting_sequence_steps
@@ -166,6 +170,5 @@ class EmaPolicy:
             for _ in range(signals.steps):
                 ran.update(mean)
         self._ran = slot
-        bound = next(b for b, s in self.slots.items() if s is slot)
         return Decision(slot.current, f"ema {slot.ema:.2f} in slot {bound} (batch {batch})",
                         {"ema": slot.ema, "batch": float(batch)})

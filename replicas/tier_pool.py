@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from replicas.engines.base import Engine
 
 
-def validate_candidates(candidates: Sequence[int], kmax: int) -> tuple[int, ...]:
-    """Candidates must be sorted, unique, >= 0 and <= the engine's kmax."""
+def validate_candidates(candidates: Sequence[int], kmax: int, initial_k: int | None = None
+                        ) -> tuple[int, ...]:
+    """Candidates must be sorted, unique, >= 0 and <= the engine's kmax; `initial_k`, when
+    given, one of them."""
     values = tuple(int(k) for k in candidates)
     if not values:
         raise ValueError("candidate K list is empty")
@@ -34,6 +36,8 @@ def validate_candidates(candidates: Sequence[int], kmax: int) -> tuple[int, ...]
         raise ValueError(
             f"candidate K {values[-1]} exceeds the engine's kmax {kmax}; "
             "raise num_speculative_tokens or drop the candidate")
+    if initial_k is not None and initial_k not in values:
+        raise ValueError(f"initial_k {initial_k} is not one of {list(values)}")
     return values
 
 
@@ -85,9 +89,7 @@ class TierPool:
                              ) -> TierSwitch | None:
         """Replace the candidate list at run time (within the engine's kmax, so no rebuild).
         Checked in full before anything changes: a bad list leaves the pool as it was."""
-        candidates = validate_candidates(candidates, self._engine.kmax)
-        if initial_k is not None and initial_k not in candidates:
-            raise ValueError(f"initial_k {initial_k} is not one of {list(candidates)}")
+        candidates = validate_candidates(candidates, self._engine.kmax, initial_k)
         async with self._lock:
             if initial_k is not None:
                 target = initial_k
