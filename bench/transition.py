@@ -258,11 +258,17 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         order.append(again(args.aa_control))
         policies[again(args.aa_control)] = policies[args.aa_control]
     rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in order}
-    for round_ in range(args.rounds):  # modes interleaved, so a slow spell hits all of them
-        for mode in round_order(order, round_):
-            rounds[mode].append(await run_mode(client, mode, phases, args.warmup, origin,
-                                               policies[mode]))
-    await client.http.aclose()
+    try:
+        for round_ in range(args.rounds):  # modes interleaved, so a slow spell hits all
+            for mode in round_order(order, round_):
+                rounds[mode].append(await run_mode(client, mode, phases, args.warmup, origin,
+                                                   policies[mode]))
+    finally:
+        # The app as it was found: a run after this one (the suite's sweep after its
+        # transition) reads the deployed policy from it, and left on the last mode it ran
+        # the deployed policy's name with defaults (no step-cost profile).
+        await client.set_policy(deployed)
+        await client.http.aclose()
     combined = {mode: combine(runs) for mode, runs in rounds.items()}
     results = {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,
                "rounds": args.rounds, "phases": [p.name for p in phases],

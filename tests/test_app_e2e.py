@@ -9,6 +9,7 @@ this process, before Ray starts.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -24,6 +25,7 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
+from bench.transition import bench as transition_bench
 from bench.workloads import COPY_PROMPT, FREE_PROMPTS
 from policies.goodput import GoodputConfig
 from replicas.engines.base import GenerationRequest
@@ -315,6 +317,24 @@ def test_redeployed_user_config_reaches_every_replica_within_2s(client, app_url,
         thread.join()
     assert not failures
     assert {r["replica_id"] for r in state} == ids, "reconfigured, not replaced"
+
+
+def test_a_benchmark_run_leaves_the_app_on_the_policy_it_found(app_url, kind):
+    """`bench.transition` switches the running app from mode to mode; afterwards the deployed
+    policy is back, so the next run (the suite's sweep after its transition) reads the
+    deployed config, step-cost profile and all, not the last mode's."""
+    if kind != "sim":
+        pytest.skip("the benchmark's reconfiguration does not depend on the engine")
+    before = [r["policy"] for r in replicas(app_url)]
+    assert before[0]["name"] == "goodput" and before[0]["profile"]
+    args = argparse.Namespace(
+        url=app_url, model=None, max_tokens=8, api_key=None, workload="sweep", requests=2,
+        concurrency=1, phases=["c1"], modes=["goodput", "static3"], defined={},
+        aa_control=None, rounds=1, warmup=1)
+    results = asyncio.run(transition_bench(args))
+    assert results["policies"]["goodput"] == before[0]
+    assert results["modes"]["static3"]["errors"] == 0
+    assert [r["policy"] for r in replicas(app_url)] == before
 
 
 def test_run_time_candidates_are_checked_and_the_policy_chooses_among_them(app_url):

@@ -257,6 +257,46 @@ def test_a_simulated_stream_read_late_names_each_chunks_own_tokens():
     assert counts == sorted(counts) and counts[-1] == 60
 
 
+def test_a_simulator_step_that_fails_ends_every_reader_with_the_error():
+    """A step that raises stops the step loop: the readers waiting on it (running and still
+    queued) get the error instead of waiting forever, a later request is refused at once,
+    and the health check reports the loop gone."""
+    async def run() -> list[BaseException | None]:
+        engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, max_num_seqs=1, time_scale=0.0)
+        steps = 0
+        real_step = engine.step
+
+        def failing_step() -> float:
+            nonlocal steps
+            steps += 1
+            if steps == 3:
+                raise FloatingPointError("a broken step")
+            return real_step()
+
+        engine.step = failing_step
+        await engine.start()
+
+        async def read(request_id: str) -> BaseException | None:
+            try:
+                async for _ in engine.generate(GenerationRequest(
+                        request_id, prompt="a b c", max_tokens=50, temperature=0)):
+                    pass
+            except RuntimeError as error:
+                return error
+            return None
+
+        # The second request waits for the first's slot (max_num_seqs=1) when the step fails.
+        outcomes = list(await asyncio.wait_for(asyncio.gather(read("a"), read("b")), 5))
+        outcomes.append(await asyncio.wait_for(read("c"), 5))
+        with pytest.raises(RuntimeError):
+            await engine.check_health()
+        return outcomes
+
+    outcomes = asyncio.run(run())
+    assert all(isinstance(error, RuntimeError) and "a broken step" in str(error)
+               for error in outcomes), outcomes
+
+
 @pytest.mark.parametrize(("policy", "sees_requests"),
                          [({"name": "goodput"}, True), ({"name": "stability"}, True),
                           ({"name": "ema"}, False), ({"name": "static", "k": 3}, False)])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from replicas.engines.base import (
 from replicas.engines.sim_presets import PRESETS, Acceptance, AcceptanceTable, SimPreset
 from replicas.engines.spec import EngineSpec
 
+logger = logging.getLogger(__name__)
+
 VOCAB = 4096
 
 
@@ -54,7 +57,7 @@ class _SimRequest:
     """Tokens so far: kept current for streamed requests, set when it finishes for the others
     (virtual-time harnesses read it then)."""
     queue: asyncio.Queue | None = None
-    """Where `generate` streams from."""
+    """Where `generate` streams from: chunks, or the error that stopped the step loop."""
     done: bool = False
     aborted: bool = False
     slot: int = -1
@@ -90,6 +93,7 @@ class SimulatedEngine:
         self._slot_request = np.full(max_num_seqs, "", object)  # request id
         self._cap = np.full(max_num_seqs, kmax, np.int64)  # most drafts a step (set_draft_caps)
         self._streams: dict[int, _SimRequest] = {}  # by slot
+        self._stopped: RuntimeError | None = None  # why the step loop ended, once it has
         # Each slot's last REQUEST_WINDOW verify outcomes, a ring: step n (counted in
         # `_totals.steps`) writes column n % REQUEST_WINDOW. `_window_len`: steps run by the
         # request now in the slot (the window holds the last REQUEST_WINDOW of them).
@@ -229,11 +233,16 @@ class SimulatedEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         prompt = self._validate(request)
+        if self._stopped is not None:
+            raise self._stopped
         entry = self.submit(request, stream=True)
         prompt_tokens = len(prompt.split())
         try:
             while True:
-                first, count, finished = await entry.queue.get()
+                item = await entry.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                first, count, finished = item
                 ids = tuple(token_at(prompt, first + i) for i in range(count))
                 yield GenerationChunk(
                     token_ids=ids, text="".join(f" t{t}" for t in ids),
@@ -246,13 +255,22 @@ class SimulatedEngine:
                 await self.abort(request.request_id)
 
     async def _run(self) -> None:
-        while True:
-            if not self._running and not self._waiting:
-                self._wake.clear()
-                await self._wake.wait()
-            self.admit()
-            seconds = self.step()
-            await asyncio.sleep(seconds * self.time_scale)
+        try:
+            while True:
+                if not self._running and not self._waiting:
+                    self._wake.clear()
+                    await self._wake.wait()
+                self.admit()
+                seconds = self.step()
+                await asyncio.sleep(seconds * self.time_scale)
+        except BaseException as error:  # a failed step, or shutdown: no reader waits forever
+            self._stopped = RuntimeError(f"the simulator's step loop stopped: {error!r}")
+            for entry in chain(self._running.values(), self._waiting):
+                if entry.queue is not None:
+                    entry.queue.put_nowait(self._stopped)
+            if not isinstance(error, Exception):  # cancelled by `shutdown`
+                raise
+            logger.exception("the simulator's step loop failed")
 
     def step(self) -> float:
         """One engine step over the running requests; returns its simulated seconds. The
