@@ -19,7 +19,7 @@ from app.ingress import Ingress
 from app.router import ClassGatheringRouter
 from app.telemetry_hub import TelemetryHub
 from policies.registry import parse_policy_config
-from replicas.engines.spec import REPO_ROOT, EngineSpec
+from replicas.engines.spec import LOCAL_ENGINE_ENV, REPO_ROOT, EngineSpec
 from replicas.replica import HUB_ACTOR, EngineReplica
 from replicas.tier_pool import validate_candidates
 
@@ -59,17 +59,11 @@ class AppArgs(BaseModel):
         return self
 
 
-# Engine settings that do not depend on the replica; the vLLM adapter adds the per-rank core
-# binding itself. Offline: the models are local files.
-STATIC_ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                     "VLLM_HOST_IP": "127.0.0.1"}
-
-
 def _replica_env(args: AppArgs) -> dict[str, str]:
     passthrough = {key: value for key, value in os.environ.items()
                    if key.startswith(("OTEL_", "VLLM_", "SPECSERVE_", "HF_"))}
     # The engine-core process of vLLM imports `replicas.engines.vllm_hooks` by name.
-    return {**STATIC_ENGINE_ENV, **passthrough, "PYTHONPATH": str(REPO_ROOT), **args.env}
+    return {**LOCAL_ENGINE_ENV, **passthrough, "PYTHONPATH": str(REPO_ROOT), **args.env}
 
 
 def build_app(args: AppArgs | dict[str, Any]) -> Application:

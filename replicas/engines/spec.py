@@ -8,6 +8,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Set in every engine process before anything reads it: Hugging Face's hub client and vLLM
+# read theirs at import, before an engine adapter runs. The models are local files; nothing
+# reports usage or binds beyond loopback.
+LOCAL_ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                    "VLLM_HOST_IP": "127.0.0.1"}
 DEMO_TARGET = str(REPO_ROOT / "models" / "target")
 DEMO_DRAFT = str(REPO_ROOT / "models" / "draft")
 

@@ -36,7 +36,7 @@ from replicas.engines.base import (
     StepTimer,
     TokenLogprob,
 )
-from replicas.engines.spec import REPO_ROOT, EngineSpec
+from replicas.engines.spec import LOCAL_ENGINE_ENV, REPO_ROOT, EngineSpec
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -92,12 +92,7 @@ def intel_openmp_for_a_drafter_model(spec: EngineSpec) -> Iterator[None]:
 
 def configure_environment(spec: EngineSpec, replica_rank: int) -> None:
     """Environment vLLM reads at import and engine start-up; explicit user settings win."""
-    defaults = {
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_CONFIGURE_LOGGING": "1",
-    }
+    defaults = {**LOCAL_ENGINE_ENV, "VLLM_CONFIGURE_LOGGING": "1"}
     if not _cuda_available():
         cores = os.cpu_count() or 1
         threads = spec.cpu_threads or 1
@@ -288,8 +283,8 @@ class VllmEngine:
 
     @property
     def tokenizer(self) -> Any:
-        """The engine's Hugging Face tokenizer: it encodes text prompts (chat is rendered
-        to token ids by the replica)."""
+        """The engine's Hugging Face tokenizer: it encodes text prompts, and the replica
+        renders chat to token ids with it (one tokenizer per replica, not two)."""
         return self.llm.tokenizer
 
     async def start(self) -> None:
