@@ -21,7 +21,14 @@ from typing import Any, ClassVar, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -32,6 +39,7 @@ from observability import tracing
 from observability.exposition import CONTENT_TYPE, render_prometheus
 from observability.metrics import RequestMetrics
 from policies.registry import parse_policy_config
+from replicas.engines.base import SAMPLING_CONTROLS
 from replicas.tier_pool import validate_candidates
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
@@ -63,6 +71,13 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     ignore_eos: bool = False
     user: str | None = None
+    # OpenAI's two penalties, and vLLM's extensions its clients send (see SAMPLING_CONTROLS).
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
 
     @field_validator("n")
     @classmethod
@@ -70,6 +85,13 @@ class SamplingFields(BaseModel):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
+
+    @model_validator(mode="after")
+    def _min_within_limit(self) -> SamplingFields:
+        limit = self.limit()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({limit})")
+        return self
 
     def limit(self) -> int | None:
         """The request's token limit; None (chat only) lets the replica fill the context."""
@@ -311,6 +333,7 @@ class Ingress:
         return {"request_id": uuid.uuid4().hex, "max_tokens": body.limit(),
                 "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
                 "stop": body.stops(), "ignore_eos": body.ignore_eos,
+                **{name: getattr(body, name) for name in SAMPLING_CONTROLS},
                 "request_class": "greedy" if body.temperature < GREEDY_BELOW else "sampled",
                 "stream": body.stream, **extra}
 

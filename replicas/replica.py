@@ -28,6 +28,7 @@ from policies.signals import ClusterView, Decision
 from replicas.chunks import Chunk, coalesce
 from replicas.control_loop import ControlLoop
 from replicas.engines.base import (
+    SAMPLING_CONTROLS,
     EngineInputError,
     GenerationRequest,
     add_per_position,
@@ -142,7 +143,8 @@ class EngineReplica:
                 top_p=payload["top_p"], seed=payload.get("seed"),
                 stop=tuple(payload.get("stop") or ()), logprobs=payload.get("logprobs"),
                 ignore_eos=payload.get("ignore_eos", False),
-                request_class=source[1])
+                request_class=source[1],
+                **{name: payload[name] for name in SAMPLING_CONTROLS if name in payload})
             # A chunk per interval, not per step; a caller that did not ask to stream gets
             # two (see `replicas.chunks`).
             interval = self.stream_interval_s if payload.get("stream", True) else math.inf

@@ -255,6 +255,10 @@ def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(
     # vLLM seeds a torch.Generator: 64-bit signed only.
     ({"model": "target", "prompt": "x", "seed": 1 << 63}, 400),
     ({"model": "target", "prompt": "x", "seed": -(1 << 63) - 1}, 400),
+    ({"model": "target", "prompt": "x", "presence_penalty": 2.5}, 400),
+    ({"model": "target", "prompt": "x", "repetition_penalty": 0}, 400),
+    ({"model": "target", "prompt": "x", "top_k": -2}, 400),
+    ({"model": "target", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400),
 ])
 def test_bad_input_gets_an_openai_error_and_harms_nothing(app_url, client, body, status):
     route = "chat/completions" if "messages" in body else "completions"
@@ -267,6 +271,28 @@ def test_bad_input_gets_an_openai_error_and_harms_nothing(app_url, client, body,
     ok = client.completions.create(model="target", prompt="def f():", max_tokens=4,
                                    extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 4
+
+
+def test_sampling_controls_reach_vllm_and_keep_greedy_identical_across_tiers(app_url, client,
+                                                                            kind):
+    """Penalties, top-k and min-p pass through the app to vLLM (the copy prompt, penalised,
+    stops repeating itself), and its greedy output is the same with speculation off and deep."""
+    if kind != "vllm":
+        pytest.skip("the simulator's made-up tokens do not depend on sampling controls")
+    controls = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.3,
+                "top_k": 20, "min_p": 0.05, "ignore_eos": True}
+
+    def complete(**extra: object) -> str:
+        return client.completions.create(model="target", prompt=COPY_PROMPT, max_tokens=24,
+                                         temperature=0, extra_body=extra).choices[0].text
+
+    plain = complete(ignore_eos=True)
+    outputs = []
+    for k in (0, 7):
+        httpx.post(f"{app_url}/admin/policy", json={"policy": {"name": "static", "k": k}},
+                   timeout=30).raise_for_status()
+        outputs.append(complete(**controls))
+    assert outputs[0] == outputs[1] != plain
 
 
 def test_seeds_at_the_64_bit_bounds_are_served(client):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import uuid
 from collections import deque
+from dataclasses import replace
 
 import psutil
 import pytest
@@ -97,6 +98,21 @@ async def test_greedy_outputs_identical_across_tiers(drafter, engines, plain_eng
     # K switched after every streamed chunk, several times within each generation.
     for prompt, ids in expected.items():
         assert await generate_ids(engine, greedy(prompt), switch_to=(7, 0, 3, 1)) == ids
+
+
+async def test_penalised_greedy_outputs_identical_across_tiers(ngram_engine, plain_engine):
+    """vLLM applies penalties to the drafts' verification as to plain decoding: the penalised
+    copy prompt (which then stops repeating itself) decodes the same at every K."""
+    def penalised(prompt: str) -> GenerationRequest:
+        return replace(greedy(prompt), frequency_penalty=1.0, repetition_penalty=1.3)
+
+    prompts = [COPY_PROMPT, FREE_PROMPTS[0]]
+    expected = {p: await generate_ids(plain_engine, penalised(p)) for p in prompts}
+    assert expected[COPY_PROMPT] != await generate_ids(plain_engine, greedy(COPY_PROMPT))
+    for k in (0, 3, 7):
+        await ngram_engine.set_k(k)
+        for prompt, ids in expected.items():
+            assert await generate_ids(ngram_engine, penalised(prompt)) == ids, (k, prompt[:30])
 
 
 async def test_greedy_identical_under_concurrent_switches(ngram_engine, plain_engine):

@@ -19,6 +19,13 @@ class EngineInputError(ValueError):
     """
 
 
+# Sampling controls beyond temperature and top-p, by the names vLLM's `SamplingParams` (and
+# OpenAI's API, for the two penalties) gives them: the HTTP layer, the replica and the
+# engines hand them on under these names. Each field's default leaves sampling as it is.
+SAMPLING_CONTROLS = ("top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens")
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
@@ -33,6 +40,18 @@ class GenerationRequest:
     ignore_eos: bool = False
     request_class: str = DEFAULT_CLASS
     """A label for acceptance statistics (the router and hub keep acceptance per class)."""
+    top_k: int = 0
+    """The most likely tokens sampled from (0 or -1: all)."""
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    """Tokens generated before an end-of-sequence token or a stop string may end it."""
+
+    def sampling_controls(self) -> dict[str, Any]:
+        """The `SAMPLING_CONTROLS` of this request, by name."""
+        return {name: getattr(self, name) for name in SAMPLING_CONTROLS}
 
 
 @dataclass(frozen=True)

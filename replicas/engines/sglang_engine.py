@@ -35,6 +35,22 @@ from replicas.engines.spec import EngineSpec
 ALGORITHMS = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
 
 
+def sampling_params(request: GenerationRequest) -> dict[str, Any]:
+    """The request's sampling as SGLang's `sampling_params` names it (its top-k "all" is -1,
+    its `min_tokens` is `min_new_tokens`, and its seed is `sampling_seed`)."""
+    params = {"max_new_tokens": request.max_tokens, "temperature": request.temperature,
+              "top_p": request.top_p, "stop": list(request.stop) or None,
+              "ignore_eos": request.ignore_eos,
+              "top_k": request.top_k if request.top_k > 0 else -1,
+              "min_p": request.min_p, "presence_penalty": request.presence_penalty,
+              "frequency_penalty": request.frequency_penalty,
+              "repetition_penalty": request.repetition_penalty,
+              "min_new_tokens": request.min_tokens}
+    if request.seed is not None:
+        params["sampling_seed"] = request.seed
+    return params
+
+
 def step_from_verify(record: dict[str, Any], kmax: int, timer: StepTimer) -> StepRecord:
     """One SGLang verify step (per-request accepted drafts) as our StepRecord, its wall time
     kept as `timer` says."""
@@ -109,11 +125,7 @@ class SglangEngine:
         self._timer.control_call()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        params = {"max_new_tokens": request.max_tokens, "temperature": request.temperature,
-                  "top_p": request.top_p, "stop": list(request.stop) or None,
-                  "ignore_eos": request.ignore_eos}
-        if request.seed is not None:
-            params["sampling_seed"] = request.seed
+        params = sampling_params(request)
         prompt_args: dict[str, Any] = (
             {"prompt": request.prompt} if request.prompt_token_ids is None
             else {"input_ids": list(request.prompt_token_ids)})

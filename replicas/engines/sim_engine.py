@@ -10,7 +10,8 @@ every admitted request at the active K:
   a free-text regime, then drafts accepted position by position until the first miss.
 
 Token ids depend only on the prompt and the position, so outputs are identical at every K,
-like greedy decoding on a real engine. Randomness (acceptance) is seeded per engine (`seed`).
+like greedy decoding on a real engine; sampling controls (temperature aside, which picks the
+acceptance class) change nothing in them. Randomness (acceptance) is seeded per engine (`seed`).
 """
 
 from __future__ import annotations

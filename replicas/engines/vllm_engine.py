@@ -365,7 +365,7 @@ class VllmEngine:
                 max_tokens=request.max_tokens, temperature=request.temperature,
                 top_p=request.top_p, seed=request.seed, stop=list(request.stop) or None,
                 logprobs=request.logprobs, ignore_eos=request.ignore_eos,
-                output_kind=RequestOutputKind.DELTA)
+                output_kind=RequestOutputKind.DELTA, **request.sampling_controls())
         except (ValueError, VLLMClientError) as error:
             raise EngineInputError(str(error)) from error
         prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
