@@ -351,6 +351,9 @@ def test_a_benchmark_run_leaves_the_app_on_the_policy_it_found(app_url, kind):
     deployed config, step-cost profile and all, not the last mode's."""
     if kind != "sim":
         pytest.skip("the benchmark's reconfiguration does not depend on the engine")
+    deployed = app_config(kind)["args"]["policy"]  # goodput with its step-cost profile
+    httpx.post(f"{app_url}/admin/policy", json={"policy": deployed},
+               timeout=30).raise_for_status()
     before = [r["policy"] for r in replicas(app_url)]
     assert before[0]["name"] == "goodput" and before[0]["profile"]
     args = argparse.Namespace(
