@@ -56,6 +56,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields OpenAI's API (or vLLM's) lets a client send as null for "the default".
+NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty", "top_k", "min_p", "min_tokens", "ignore_eos")
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -74,10 +79,18 @@ class SamplingFields(BaseModel):
     # OpenAI's two penalties, and vLLM's extensions its clients send (see SAMPLING_CONTROLS).
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0, le=2)
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)  # SGLang's range; vLLM takes any > 0
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)
+    min_p: float = 0.0
     min_tokens: int = Field(0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items()
+                    if value is not None or key not in NULL_MEANS_DEFAULT}
+        return data
 
     @field_validator("n")
     @classmethod
@@ -85,6 +98,16 @@ class SamplingFields(BaseModel):
         if n != 1:
             raise ValueError("only n=1 is supported")
         return n
+
+    @field_validator("min_p")
+    @classmethod
+    def _no_min_p(cls, min_p: float) -> float:
+        # vLLM builds no min-p processor when speculative decoding is configured, and every
+        # replica here is (K=0 included): it would be dropped without a word.
+        if min_p:
+            raise ValueError("min_p is not supported: vLLM does not apply it with "
+                             "speculative decoding")
+        return min_p
 
     @model_validator(mode="after")
     def _min_within_limit(self) -> SamplingFields:

@@ -27,6 +27,7 @@ import asyncio
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,8 +267,13 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         # The app as it was found: a run after this one (the suite's sweep after its
         # transition) reads the deployed policy from it, and left on the last mode it ran
-        # the deployed policy's name with defaults (no step-cost profile).
-        await client.set_policy(deployed)
+        # the deployed policy's name with defaults (no step-cost profile). A failed restore
+        # is reported, not raised: it must not lose the rounds run or hide a round's error.
+        try:
+            await client.set_policy(deployed)
+        except httpx.HTTPError as error:
+            print(f"could not put the deployed policy back ({error!r}); the app runs the "
+                  f"last mode's", file=sys.stderr, flush=True)
         await client.http.aclose()
     combined = {mode: combine(runs) for mode, runs in rounds.items()}
     results = {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,

@@ -85,10 +85,10 @@ class EngineReplica:
         self._hub_call: Any = None
         self._hub_lock = asyncio.Lock()
         self.max_routed = 0
-        # The engine's own where it has one (vLLM's), else loaded now: importing transformers
-        # inside a request would stall this event loop.
-        self._tokenizer = getattr(self.engine, "tokenizer", None) or \
-            await asyncio.to_thread(_load_tokenizer, spec.model)
+        # Loaded now: importing transformers inside a request would stall this event loop.
+        # Its own, not the engine's: vLLM's can be a Mistral tokenizer, whose chat rendering
+        # returns ids in another form.
+        self._tokenizer = await asyncio.to_thread(_load_tokenizer, spec.model)
         # Run-time (admin) changes carry `issued_at`; the newest one applied so far.
         self._applied_issued_at = 0.0
         self._serve_configs_seen = 0

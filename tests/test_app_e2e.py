@@ -259,6 +259,7 @@ def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(
     ({"model": "target", "prompt": "x", "repetition_penalty": 0}, 400),
     ({"model": "target", "prompt": "x", "top_k": -2}, 400),
     ({"model": "target", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400),
+    ({"model": "target", "prompt": "x", "min_p": 0.1}, 400),
 ])
 def test_bad_input_gets_an_openai_error_and_harms_nothing(app_url, client, body, status):
     route = "chat/completions" if "messages" in body else "completions"
@@ -275,23 +276,29 @@ def test_bad_input_gets_an_openai_error_and_harms_nothing(app_url, client, body,
 
 def test_sampling_controls_reach_vllm_and_keep_greedy_identical_across_tiers(app_url, client,
                                                                             kind):
-    """Penalties, top-k and min-p pass through the app to vLLM (the copy prompt, penalised,
-    stops repeating itself), and its greedy output is the same with speculation off and deep."""
+    """Penalties and top-k pass through the app to vLLM: the copy prompt, penalised, stops
+    repeating itself, and decodes the same with speculation off and deep; top_k=1 makes a
+    sampled request (temperature 1) decode as a greedy one."""
     if kind != "vllm":
         pytest.skip("the simulator's made-up tokens do not depend on sampling controls")
-    controls = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.3,
-                "top_k": 20, "min_p": 0.05, "ignore_eos": True}
+    penalties = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.3}
 
-    def complete(**extra: object) -> str:
-        return client.completions.create(model="target", prompt=COPY_PROMPT, max_tokens=24,
-                                         temperature=0, extra_body=extra).choices[0].text
+    def complete(temperature: float = 0, **extra: object) -> str:
+        return client.completions.create(
+            model="target", prompt=COPY_PROMPT, max_tokens=24, temperature=temperature,
+            seed=3, extra_body={"ignore_eos": True, **extra}).choices[0].text
 
-    plain = complete(ignore_eos=True)
+    plain = complete()
     outputs = []
-    for k in (0, 7):
-        httpx.post(f"{app_url}/admin/policy", json={"policy": {"name": "static", "k": k}},
+    try:
+        for k in (0, 7):
+            httpx.post(f"{app_url}/admin/policy", json={"policy": {"name": "static", "k": k}},
+                       timeout=30).raise_for_status()
+            outputs.append(complete(**penalties))
+        assert complete(temperature=1.0, top_k=1, **penalties) == outputs[-1]
+    finally:
+        httpx.post(f"{app_url}/admin/policy", json={"policy": app_config(kind)["args"]["policy"]},
                    timeout=30).raise_for_status()
-        outputs.append(complete(**controls))
     assert outputs[0] == outputs[1] != plain
 
 

@@ -297,6 +297,23 @@ def test_a_simulator_step_that_fails_ends_every_reader_with_the_error():
                for error in outcomes), outcomes
 
 
+def test_a_simulator_not_running_refuses_a_request_at_once():
+    """Before `start` and after `shutdown` a request is refused, not queued for no one."""
+    async def refused(engine: SimulatedEngine) -> None:
+        with pytest.raises(RuntimeError, match="not running"):
+            async for _ in engine.generate(GenerationRequest("r", prompt="a", max_tokens=5)):
+                pass
+
+    async def run() -> None:
+        engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, time_scale=0.0)
+        await asyncio.wait_for(refused(engine), 5)
+        await engine.start()
+        await engine.shutdown()
+        await asyncio.wait_for(refused(engine), 5)
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize(("policy", "sees_requests"),
                          [({"name": "goodput"}, True), ({"name": "stability"}, True),
                           ({"name": "ema"}, False), ({"name": "static", "k": 3}, False)])

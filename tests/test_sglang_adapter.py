@@ -6,12 +6,12 @@ from replicas.engines.sglang_engine import sampling_params, step_from_verify
 
 def test_every_sampling_control_reaches_sglang_under_its_name():
     request = GenerationRequest("r", prompt="x", max_tokens=9, temperature=0.7, top_p=0.9,
-                                seed=5, stop=("\n",), top_k=40, min_p=0.1,
+                                seed=5, stop=("\n",), top_k=40,
                                 presence_penalty=0.5, frequency_penalty=-0.5,
                                 repetition_penalty=1.2, min_tokens=3)
     assert sampling_params(request) == {
         "max_new_tokens": 9, "temperature": 0.7, "top_p": 0.9, "stop": ["\n"],
-        "ignore_eos": False, "top_k": 40, "min_p": 0.1, "presence_penalty": 0.5,
+        "ignore_eos": False, "top_k": 40, "presence_penalty": 0.5,
         "frequency_penalty": -0.5, "repetition_penalty": 1.2, "min_new_tokens": 3,
         "sampling_seed": 5}
     for off in (0, -1):  # vLLM's and OpenAI clients' "all"; SGLang's is -1

@@ -22,8 +22,8 @@ class EngineInputError(ValueError):
 # Sampling controls beyond temperature and top-p, by the names vLLM's `SamplingParams` (and
 # OpenAI's API, for the two penalties) gives them: the HTTP layer, the replica and the
 # engines hand them on under these names. Each field's default leaves sampling as it is.
-SAMPLING_CONTROLS = ("top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "min_tokens")
+SAMPLING_CONTROLS = ("top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "min_tokens")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,6 @@ class GenerationRequest:
     """A label for acceptance statistics (the router and hub keep acceptance per class)."""
     top_k: int = 0
     """The most likely tokens sampled from (0 or -1: all)."""
-    min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -42,7 +42,7 @@ def sampling_params(request: GenerationRequest) -> dict[str, Any]:
               "top_p": request.top_p, "stop": list(request.stop) or None,
               "ignore_eos": request.ignore_eos,
               "top_k": request.top_k if request.top_k > 0 else -1,
-              "min_p": request.min_p, "presence_penalty": request.presence_penalty,
+              "presence_penalty": request.presence_penalty,
               "frequency_penalty": request.frequency_penalty,
               "repetition_penalty": request.repetition_penalty,
               "min_new_tokens": request.min_tokens}

@@ -42,6 +42,9 @@ from replicas.engines.spec import EngineSpec
 
 logger = logging.getLogger(__name__)
 
+# Put in a reader's queue when the step loop ends: no chunk will follow.
+LOOP_STOPPED = object()
+
 VOCAB = 4096
 
 
@@ -58,7 +61,7 @@ class _SimRequest:
     """Tokens so far: kept current for streamed requests, set when it finishes for the others
     (virtual-time harnesses read it then)."""
     queue: asyncio.Queue | None = None
-    """Where `generate` streams from: chunks, or the error that stopped the step loop."""
+    """Where `generate` streams from: chunks, then `LOOP_STOPPED` if the step loop ends."""
     done: bool = False
     aborted: bool = False
     slot: int = -1
@@ -94,7 +97,7 @@ class SimulatedEngine:
         self._slot_request = np.full(max_num_seqs, "", object)  # request id
         self._cap = np.full(max_num_seqs, kmax, np.int64)  # most drafts a step (set_draft_caps)
         self._streams: dict[int, _SimRequest] = {}  # by slot
-        self._stopped: RuntimeError | None = None  # why the step loop ended, once it has
+        self._stopped: BaseException | None = None  # why the step loop ended, once it has
         # Each slot's last REQUEST_WINDOW verify outcomes, a ring: step n (counted in
         # `_totals.steps`) writes column n % REQUEST_WINDOW. `_window_len`: steps run by the
         # request now in the slot (the window holds the last REQUEST_WINDOW of them).
@@ -125,7 +128,7 @@ class SimulatedEngine:
 
     async def check_health(self) -> None:
         if self._loop is None or self._loop.done():
-            raise RuntimeError("the simulator's step loop is not running")
+            raise self._ended()
 
     async def set_k(self, k: int) -> None:
         if not 0 <= k <= self.kmax:
@@ -234,15 +237,14 @@ class SimulatedEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         prompt = self._validate(request)
-        if self._stopped is not None:
-            raise self._stopped
+        await self.check_health()
         entry = self.submit(request, stream=True)
         prompt_tokens = len(prompt.split())
         try:
             while True:
                 item = await entry.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+                if item is LOOP_STOPPED:
+                    raise self._ended()
                 first, count, finished = item
                 ids = tuple(token_at(prompt, first + i) for i in range(count))
                 yield GenerationChunk(
@@ -265,13 +267,20 @@ class SimulatedEngine:
                 seconds = self.step()
                 await asyncio.sleep(seconds * self.time_scale)
         except BaseException as error:  # a failed step, or shutdown: no reader waits forever
-            self._stopped = RuntimeError(f"the simulator's step loop stopped: {error!r}")
+            self._stopped = error
             for entry in chain(self._running.values(), self._waiting):
                 if entry.queue is not None:
-                    entry.queue.put_nowait(self._stopped)
+                    entry.queue.put_nowait(LOOP_STOPPED)
             if not isinstance(error, Exception):  # cancelled by `shutdown`
                 raise
             logger.exception("the simulator's step loop failed")
+
+    def _ended(self) -> RuntimeError:
+        """The error a reader gets once the step loop has ended, chained to its cause."""
+        error = RuntimeError("the simulator's step loop is not running" + (
+            f" ({self._stopped!r})" if self._stopped else ""))
+        error.__cause__ = self._stopped
+        return error
 
     def step(self) -> float:
         """One engine step over the running requests; returns its simulated seconds. The

@@ -283,8 +283,8 @@ class VllmEngine:
 
     @property
     def tokenizer(self) -> Any:
-        """The engine's Hugging Face tokenizer: it encodes text prompts, and the replica
-        renders chat to token ids with it (one tokenizer per replica, not two)."""
+        """The engine's Hugging Face tokenizer: it encodes text prompts (chat is rendered
+        to token ids by the replica)."""
         return self.llm.tokenizer
 
     async def start(self) -> None:
