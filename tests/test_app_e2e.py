@@ -117,6 +117,11 @@ def replicas(app_url: str) -> list[dict]:
     return httpx.get(f"{app_url}/admin/replicas", timeout=30).json()["replicas"]
 
 
+def set_policy(app_url: str, policy: dict) -> None:
+    """Every replica on `policy`, through the admin route."""
+    httpx.post(f"{app_url}/admin/policy", json={"policy": policy}, timeout=30).raise_for_status()
+
+
 def in_threads(count: int, call: Callable[[int], None]) -> list[threading.Thread]:
     threads = [threading.Thread(target=call, args=(i,)) for i in range(count)]
     for thread in threads:
@@ -292,13 +297,11 @@ def test_sampling_controls_reach_vllm_and_keep_greedy_identical_across_tiers(app
     outputs = []
     try:
         for k in (0, 7):
-            httpx.post(f"{app_url}/admin/policy", json={"policy": {"name": "static", "k": k}},
-                       timeout=30).raise_for_status()
+            set_policy(app_url, {"name": "static", "k": k})
             outputs.append(complete(**penalties))
         assert complete(temperature=1.0, top_k=1, **penalties) == outputs[-1]
     finally:
-        httpx.post(f"{app_url}/admin/policy", json={"policy": app_config(kind)["args"]["policy"]},
-                   timeout=30).raise_for_status()
+        set_policy(app_url, app_config(kind)["args"]["policy"])
     assert outputs[0] == outputs[1] != plain
 
 
@@ -359,8 +362,7 @@ def test_a_benchmark_run_leaves_the_app_on_the_policy_it_found(app_url, kind):
     if kind != "sim":
         pytest.skip("the benchmark's reconfiguration does not depend on the engine")
     deployed = app_config(kind)["args"]["policy"]  # goodput with its step-cost profile
-    httpx.post(f"{app_url}/admin/policy", json={"policy": deployed},
-               timeout=30).raise_for_status()
+    set_policy(app_url, deployed)
     before = [r["policy"] for r in replicas(app_url)]
     assert before[0]["name"] == "goodput" and before[0]["profile"]
     args = argparse.Namespace(
@@ -380,7 +382,7 @@ def test_run_time_candidates_are_checked_and_the_policy_chooses_among_them(app_u
         return sorted((r["candidates"], r["active_k"]) for r in replicas(app_url))
 
     admin = f"{app_url}/admin/policy"
-    httpx.post(admin, json={"policy": {"name": "static", "k": 7}}, timeout=30).raise_for_status()
+    set_policy(app_url, {"name": "static", "k": 7})
     before = tiers()
     for bad in ({"candidates": [0, 99]}, {"candidates": "abc"}, {"candidates": 5},
                 {"candidates": [3, 1]}, {"candidates": []},
