@@ -26,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -61,6 +62,30 @@ NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "presence_penalty", "frequenc
                       "repetition_penalty", "top_k", "min_p", "min_tokens", "ignore_eos")
 
 
+# vLLM builds neither a min-p nor a logit-bias processor when speculative decoding is
+# configured, and every replica here is (K=0 included).
+UNAPPLIED_FIELDS = {
+    "min_p": "vLLM does not apply it with speculative decoding",
+    "logit_bias": "vLLM does not apply it with speculative decoding",
+    "response_format": "structured output is not enabled here; only {\"type\": \"text\"}",
+    "tools": "tool calling is not enabled here",
+    "functions": "function calling is not enabled here",
+    "echo": "the prompt is not echoed here",
+    "suffix": "text insertion (a prompt with a suffix) is not enabled here",
+    "best_of": "only best_of=1 is supported",
+}
+ASKS_FOR_NOTHING = {"response_format": ({"type": "text"},), "best_of": (1,)}
+
+
+def refuse_unapplied(value: Any, info: ValidationInfo) -> Any:
+    """A field validator for `UNAPPLIED_FIELDS`: their defaults (and values that ask for
+    nothing, such as `best_of: 1`) pass; anything else is refused with the reason."""
+    if value and value not in ASKS_FOR_NOTHING.get(info.field_name, ()):
+        raise ValueError(f"{info.field_name} is not supported: "
+                         f"{UNAPPLIED_FIELDS[info.field_name]}")
+    return value
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -81,7 +106,6 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=2)  # SGLang's range; vLLM takes any > 0
     top_k: int = Field(0, ge=-1, le=2**31 - 1)
-    min_p: float = 0.0
     min_tokens: int = Field(0, ge=0)
 
     @model_validator(mode="before")
@@ -99,15 +123,17 @@ class SamplingFields(BaseModel):
             raise ValueError("only n=1 is supported")
         return n
 
-    @field_validator("min_p")
-    @classmethod
-    def _no_min_p(cls, min_p: float) -> float:
-        # vLLM builds no min-p processor when speculative decoding is configured, and every
-        # replica here is (K=0 included): it would be dropped without a word.
-        if min_p:
-            raise ValueError("min_p is not supported: vLLM does not apply it with "
-                             "speculative decoding")
-        return min_p
+    # Fields of OpenAI's API (or vLLM's) that would change the output but that no engine here
+    # applies: a request that sets one is refused with the reason rather than answered as if
+    # it had not (unknown fields are ignored, as vLLM ignores them).
+    min_p: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None
+
+    _unapplied = field_validator("min_p", "logit_bias", "response_format", "tools",
+                                 "functions")(refuse_unapplied)
 
     @model_validator(mode="after")
     def _min_within_limit(self) -> SamplingFields:
@@ -129,6 +155,11 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str]
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    _unapplied_here = field_validator("echo", "suffix", "best_of")(refuse_unapplied)
 
     @field_validator("prompt")
     @classmethod
@@ -147,6 +178,22 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _joined_text_parts(cls, content: Any) -> Any:
+        """OpenAI's list of content parts, joined by newlines as vLLM joins them. The demo
+        models read text only, so an image or audio part is refused, named."""
+        if not isinstance(content, list):
+            return content
+        for index, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"only text content parts are supported; part {index} is "
+                                 f"{kind!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"text part {index} needs a string 'text'")
+        return "\n".join(part["text"] for part in content)
 
 
 class ChatRequest(SamplingFields):

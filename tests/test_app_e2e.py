@@ -166,6 +166,12 @@ def test_chat_applies_the_template_streaming_and_not(client, reference):
         reference[CHAT_PROMPT]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == MAX_TOKENS
+    # OpenAI's content parts: the same text in one part is the same prompt.
+    parts = [{"role": "user", "content": [{"type": "text", "text": CHAT[0]["content"]}]}]
+    in_parts = client.chat.completions.create(model="target", messages=parts,
+                                              max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    assert in_parts.choices[0].message.content == reference[CHAT_PROMPT]
 
 
 def test_chat_without_a_limit_runs_to_the_end_of_the_context(client, kind):
@@ -265,6 +271,14 @@ def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(
     ({"model": "target", "prompt": "x", "top_k": -2}, 400),
     ({"model": "target", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400),
     ({"model": "target", "prompt": "x", "min_p": 0.1}, 400),
+    # Fields that would change the output but that no engine here applies.
+    ({"model": "target", "prompt": "x", "logit_bias": {"13": 100}}, 400),
+    ({"model": "target", "prompt": "x", "echo": True}, 400),
+    ({"model": "target", "messages": CHAT, "response_format": {"type": "json_object"}}, 400),
+    ({"model": "target", "messages": CHAT, "tools": [{"type": "function",
+                                                      "function": {"name": "f"}}]}, 400),
+    ({"model": "target", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, 400),
 ])
 def test_bad_input_gets_an_openai_error_and_harms_nothing(app_url, client, body, status):
     route = "chat/completions" if "messages" in body else "completions"

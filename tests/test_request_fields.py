@@ -1,0 +1,100 @@
+"""The HTTP layer's request fields: what it accepts, what it refuses and why, that each
+sampling control it hands on means the same in the engine's request, and chat content in
+OpenAI's two forms."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from pydantic import ValidationError
+
+from app.ingress import ChatRequest, CompletionRequest
+from replicas.engines.base import SAMPLING_CONTROLS, GenerationRequest
+
+
+def completion(**fields: object) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields})
+
+
+def test_every_control_handed_on_has_the_same_default_on_both_sides():
+    engine_defaults = {f.name: f.default for f in dataclasses.fields(GenerationRequest)}
+    request = completion()
+    for name in SAMPLING_CONTROLS:
+        assert getattr(request, name) == engine_defaults[name], name
+
+
+def test_null_means_the_default_as_in_openais_api():
+    request = completion(temperature=None, top_p=None, n=None, presence_penalty=None,
+                         frequency_penalty=None, repetition_penalty=None, top_k=None,
+                         min_tokens=None, ignore_eos=None)
+    assert request == completion()
+    chat = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user",
+                                                                  "content": "hi"}],
+                                       "temperature": None})
+    assert chat.temperature == 1.0
+
+
+@pytest.mark.parametrize(("fields", "reason"), [
+    ({"min_p": 0.1}, "speculative decoding"),
+    ({"max_tokens": 4, "min_tokens": 5}, "exceeds max_tokens"),
+    ({"top_k": -2}, "greater than or equal"),
+    ({"top_k": 2**63}, "less than or equal"),
+    ({"presence_penalty": 2.5}, "less than or equal"),
+    ({"repetition_penalty": 0}, "greater than"),
+    ({"model": None}, "model"),
+])
+def test_a_control_outside_what_the_engines_do_is_refused_with_its_reason(fields, reason):
+    with pytest.raises(ValidationError, match=reason):
+        completion(**fields)
+
+
+def test_the_controls_within_range_are_kept():
+    request = completion(top_k=-1, min_p=0, presence_penalty=-2, frequency_penalty=2,
+                         repetition_penalty=1.3, min_tokens=16)
+    assert (request.top_k, request.presence_penalty, request.repetition_penalty,
+            request.min_tokens) == (-1, -2, 1.3, 16)
+
+
+def chat(content: object, **fields: object) -> ChatRequest:
+    return ChatRequest.model_validate({"model": "m", "messages": [{"role": "user",
+                                                                  "content": content}],
+                                       **fields})
+
+
+@pytest.mark.parametrize(("fields", "reason"), [
+    ({"logit_bias": {"50256": -100}}, "logit_bias is not supported: vLLM does not apply it"),
+    ({"response_format": {"type": "json_object"}}, "structured output"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool calling"),
+    ({"functions": [{"name": "f"}]}, "function calling"),
+    ({"echo": True}, "echo is not supported"),
+    ({"suffix": "}"}, "suffix is not supported"),
+    ({"best_of": 2}, "only best_of=1"),
+])
+def test_a_field_that_would_change_the_output_but_is_not_applied_is_refused(fields, reason):
+    with pytest.raises(ValidationError, match=reason) as refused:
+        completion(**fields)
+    assert refused.value.errors()[0]["loc"] == (next(iter(fields)),), "param names the field"
+
+
+def test_those_fields_at_values_that_ask_for_nothing_are_accepted():
+    completion(logit_bias={}, echo=False, suffix="", best_of=1, tools=[], functions=None)
+    assert chat("hi", response_format={"type": "text"}, logit_bias=None).messages
+
+
+def test_chat_content_parts_are_joined_as_text():
+    parts = [{"type": "text", "text": "def add(a, b):"}, {"type": "text", "text": "    return"}]
+    assert chat(parts).messages[0].content == "def add(a, b):\n    return"
+    assert chat(parts).messages[0].model_dump() == chat("def add(a, b):\n    return"
+                                                       ).messages[0].model_dump()
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    ([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}], "part 0 is 'image_url'"),
+    ([{"type": "text", "text": "a"}, {"type": "input_audio"}], "part 1 is 'input_audio'"),
+    ([{"type": "text"}], "needs a string 'text'"),
+    (["plain string in a list"], "part 0 is 'str'"),
+])
+def test_chat_content_other_than_text_is_refused_naming_the_part(content, reason):
+    with pytest.raises(ValidationError, match=reason):
+        chat(content)
