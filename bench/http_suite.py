@@ -72,7 +72,8 @@ def wait_ready(url: str, replicas: int, server: subprocess.Popen, timeout_s: flo
 
 def stop(server: subprocess.Popen) -> list[str]:
     """Ctrl-C, as a user would; if `serve run` is still tearing down its vLLM engines after a
-    minute, end it and the local Ray cluster it started (this suite's own). Then end whatever
+    minute, end it and the local Ray cluster it started (this suite's own: `serving` refuses
+    to start beside another). Then end whatever
     the app left running: once a vLLM engine core and its worker outlived the replica that
     started them and took 8% of a core from the next runs. Returns what had to be ended."""
     try:
@@ -120,12 +121,22 @@ def _name(process: psutil.Process) -> str:
         return "?"
 
 
+def ray_clusters_running() -> str:
+    """The pids of this machine's Ray cluster heads (their GCS servers), if any."""
+    heads = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "gcs_server"]
+    return ", ".join(f"gcs_server pid {p.pid}" for p in heads)
+
+
 @contextlib.contextmanager
 def serving(config: Path, url: str, startup_timeout_s: float) -> Iterator[dict[str, str]]:
     """`serve run config` until the block ends (loopback only); yields the environment the
     benchmark clients should run with."""
     if not url.startswith(("http://127.0.0.1", "http://localhost")):
         raise SystemExit("the benchmark starts its own app: use a loopback URL")
+    if running := ray_clusters_running():
+        # `serve run` would join it, and a teardown that needs `ray stop --force` ends it.
+        raise SystemExit(f"a Ray cluster is already running here ({running}): the suite "
+                         "starts and stops its own; stop that one first (`ray stop`)")
     env = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
            "NO_PROXY": "127.0.0.1,localhost"}
     serve = Path(sys.executable).with_name("serve")

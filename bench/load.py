@@ -106,7 +106,10 @@ async def run_load(url: str, requests: int, concurrency: int, time_limit_s: floa
                 kill_started = True  # once, though several requests cross the mark together
                 report.killed_replica = await asyncio.to_thread(kill)
 
-    async with httpx.AsyncClient() as client:
+    # A connection for every request in flight: past httpx's default pool (100), a request
+    # waiting for one would time out unsent and count as accepted and lost.
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits) as client:
         await asyncio.gather(*(one(client, i) for i in range(requests)))
     report.failed_by_status = dict(statuses)
     report.seconds = time.monotonic() - started

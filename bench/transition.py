@@ -8,13 +8,20 @@ A mode is `static<K>`, a policy's name (the deployed policy keeps its deployed c
 other takes its defaults), or a name given its own config with `--define NAME=JSON`, e.g.
 `--define 'goodput_m15={"name": "goodput", "switch_margin": 0.15}' --modes goodput,goodput_m15`
 to weigh a setting against the deployed one in the same run. `--aa-control goodput` runs
-`goodput` a second time in every round and reports the two runs against each other apart from
-the other tables: an A/A test, the noise of this run's ratios.
+`goodput` a second time in every round, half the round away from the first, and reports the
+two runs against each other apart from the other tables: an A/A test, the noise of this run's
+ratios.
 
 Each mode is applied by reconfiguring the running application (`POST /admin/policy`, no
-restart), followed by a warm-up. The transition workload runs the phases low_1, high_1, low_2,
-high_2 (free text sampled at T=0.8, then repetitive text decoded greedily; see
-`bench.workloads`); the sweep workload moves concurrency 1 -> 16 -> 64 -> 1 over a mix of both.
+restart), followed by a warm-up. The modes share what the app measured: a policy change
+starts the new policy afresh, but each replica's and the fleet's acceptance per request class
+and draft position carry on (as in a deployment that changes policy), so a mode can start from
+rates measured under the mode before it; the rounds' counterbalanced order (`round_order`)
+puts a different mode before each one from round to round.
+
+The transition workload runs the phases low_1, high_1, low_2, high_2 (free text sampled at
+T=0.8, then repetitive text decoded greedily; see `bench.workloads`); the sweep workload
+moves concurrency 1 -> 16 -> 64 -> 1 over a mix of both.
 Per phase, throughput = completion tokens / phase wall time and acceptance length = completion
 tokens / sequence-steps (engine verify steps summed over sequences), read from the replicas'
 counters (`GET /admin/replicas`).
@@ -78,7 +85,8 @@ def policy_for_mode(mode: str, deployed: dict[str, Any],
     if defined and mode in defined:
         return defined[mode]
     if is_static(mode):
-        return {"name": "static", "k": int(mode.removeprefix("static"))}
+        k = mode.removeprefix("static")
+        return {"name": "static", "k": int(k) if k.isdigit() else k}  # a bad K: check_modes
     return deployed if deployed.get("name") == mode else {"name": mode}
 
 
@@ -227,7 +235,7 @@ async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
     steps = sum(r.sequence_steps for r in results)
     summary = {
         "throughput": tokens / seconds if seconds else 0.0,
-        "latency_s": sum(latencies) / len(latencies) if latencies else 0.0,
+        "latency_s": sum(latencies) / len(latencies) if latencies else None,
         "accept_len": tokens / steps if steps else 0.0,
         "switches": switches,
         "errors": sum(r.errors for r in results),
@@ -252,18 +260,26 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.phases:
         phases = select_phases(phases, args.phases)
     origin = time.perf_counter()
-    deployed = (await client.replicas())[0]["policy"]  # as deployed, before any mode changes it
+    found = await client.replicas()
+    deployed = found[0]["policy"]  # as deployed, before any mode changes it
     policies = {mode: policy_for_mode(mode, deployed, args.defined) for mode in args.modes}
+    check_modes(policies, found[0]["candidates"])
     order = list(args.modes)
-    if args.aa_control:  # the same mode again, interleaved like any other
-        order.append(again(args.aa_control))
+    if args.aa_control:
+        order = with_aa_copy(order, args.aa_control)
         policies[again(args.aa_control)] = policies[args.aa_control]
     rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in order}
+    stopped_by = None
     try:
         for round_ in range(args.rounds):  # modes interleaved, so a slow spell hits all
             for mode in round_order(order, round_):
                 rounds[mode].append(await run_mode(client, mode, phases, args.warmup, origin,
                                                    policies[mode]))
+    except (httpx.HTTPError, KeyError) as error:
+        # The app failed mid-run (an admin call, a replica gone): keep the rounds every mode
+        # finished rather than lose an hour of them; the results say why they are fewer.
+        stopped_by = repr(error)
+        print(f"the run stopped early: {stopped_by}", file=sys.stderr, flush=True)
     finally:
         # The app as it was found: a run after this one (the suite's sweep after its
         # transition) reads the deployed policy from it, and left on the last mode it ran
@@ -275,11 +291,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             print(f"could not put the deployed policy back ({error!r}); the app runs the "
                   f"last mode's", file=sys.stderr, flush=True)
         await client.http.aclose()
-    combined = {mode: combine(runs) for mode, runs in rounds.items()}
+    finished = min(len(runs) for runs in rounds.values())
+    if not finished:
+        raise SystemExit(f"no round finished: {stopped_by}")
+    combined = {mode: combine(runs[:finished]) for mode, runs in rounds.items()}
     results = {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,
-               "rounds": args.rounds, "phases": [p.name for p in phases],
+               "rounds": finished, "phases": [p.name for p in phases],
                "policies": policies,  # what each mode ran, so a run can be repeated
                "modes": {mode: combined[mode] for mode in args.modes}}
+    if stopped_by:
+        results["stopped_early"] = {"rounds_asked": args.rounds, "error": stopped_by}
     if args.aa_control:  # kept apart: no table but its own may count it as a mode
         results["aa_control"] = {"mode": args.aa_control,
                                  "again": combined[again(args.aa_control)]}
@@ -289,6 +310,39 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 def again(mode: str) -> str:
     """The name `--aa-control` runs `mode`'s second copy under."""
     return f"{mode} (again)"
+
+
+def with_aa_copy(modes: list[str], mode: str) -> list[str]:
+    """`modes` with `mode`'s A/A copy half the list away from it: `round_order` rotates and
+    reverses the list, which keeps that distance, so in every round the two run about as far
+    apart as any two modes the report compares, each behind some other mode (next to each
+    other they would measure only back-to-back noise, and the copy would always start from
+    the state its twin left)."""
+    order, half = list(modes), (len(modes) + 1) // 2
+    # Inserted at j, the copy runs (j - i) modes after its twin at i, or, cyclically, when
+    # it goes in before the twin, len(modes) - i + j: this j makes it `half` either way.
+    order.insert((order.index(mode) + half - 1) % len(order) + 1, again(mode))
+    return order
+
+
+def check_modes(policies: dict[str, dict[str, Any]], candidates: list[int]) -> None:
+    """Refuse, before the first round, a mode the app would refuse at its turn: a policy
+    config it cannot parse, or a static K that is not one of the replicas' tiers."""
+    problems = []
+    for mode, policy in policies.items():
+        if policy.get("name") == "static" and not isinstance(policy.get("k"), int):
+            problems.append(f"{mode}: a static mode is static<K>, K one of {candidates}")
+            continue
+        try:
+            parsed = parse_policy_config(policy)
+        except ValueError as error:
+            problems.append(f"{mode}: {error}")
+            continue
+        if parsed.name == "static" and parsed.k not in candidates:
+            problems.append(f"{mode}: K={parsed.k} is not one of the replicas' tiers "
+                            f"{candidates}")
+    if problems:
+        raise SystemExit("modes the app would refuse:\n  " + "\n  ".join(problems))
 
 
 def round_order(modes: list[str], round_: int) -> list[str]:
@@ -308,8 +362,9 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One mode over its rounds: medians of throughput (overall and per phase), latency,
     acceptance length and switches; errors summed; every round's tier timeline; and each
     round's own numbers under "rounds"."""
-    def median_of(key: str) -> float:
-        return statistics.median(r[key] for r in runs)
+    def median_of(key: str) -> float | None:
+        values = [r[key] for r in runs if r[key] is not None]  # None: no request finished
+        return statistics.median(values) if values else None
 
     per_round = [{k: v for k, v in r.items() if k not in ("timeline", "started_s")}
                  for r in runs]  # each keeps its phase start times
@@ -332,15 +387,21 @@ def report(results: dict[str, Any]) -> str:
     modes, phase_names = results["modes"], results["phases"]
     rounds = results["rounds"]
     of = f", median of {rounds} rounds" if rounds > 1 else ""
-    lines = [print_table(
+    lines = []
+    if stopped := results.get("stopped_early"):
+        lines.append(f"STOPPED EARLY: {rounds} of {stopped['rounds_asked']} rounds finished "
+                     f"for every mode ({stopped['error']})")
+    lines += [print_table(
         f"SUMMARY{f' (median of {rounds} rounds; errors summed)' if rounds > 1 else ''}",
         ["mode", "tok/s", "avg latency s", "accept len", "switches", "errors"],
-        [[m, f"{r['throughput']:.1f}", f"{r['latency_s']:.2f}", f"{r['accept_len']:.2f}",
+        [[m, f"{r['throughput']:.1f}", number(r["latency_s"]), f"{r['accept_len']:.2f}",
           f"{r['switches']:g}", r["errors"]] for m, r in modes.items()])]
     lines.append(print_table(
         f"PER-PHASE THROUGHPUT (tok/s{of}) [accept len]", ["mode", *phase_names],
         [[m, *(f"{r['phases'][p]:.1f} [{r['phase_accept_len'][p]:.2f}]" for p in phase_names)]
          for m, r in modes.items()]))
+    if (contrast := acceptance_contrast(modes, phase_names)) is not None:
+        lines.append(contrast)
     statics = [m for m in modes if is_static(m)]
     adaptive = [m for m in modes if not is_static(m)]
     if statics and adaptive:  # the issue's bar: >= best static overall, >= 0.9x per phase
@@ -349,8 +410,8 @@ def report(results: dict[str, Any]) -> str:
         lines.append(print_table(
             "ADAPTIVE VS BEST STATIC (overall; per phase vs that phase's best static)",
             ["mode", "overall", *phase_names],
-            [[m, f"{modes[m]['throughput'] / best_overall:.3f}",
-              *(f"{modes[m]['phases'][p] / best[p]:.3f}" for p in phase_names)]
+            [[m, ratio(modes[m]["throughput"], best_overall),
+              *(ratio(modes[m]["phases"][p], best[p]) for p in phase_names)]
              for m in adaptive]))
         lines.append(ceiling_table(modes, statics, adaptive, phase_names, best_overall))
     if statics and adaptive and rounds > 1:
@@ -365,6 +426,35 @@ def report(results: dict[str, Any]) -> str:
     return "\n\n".join(lines)
 
 
+def ratio(value: float, base: float) -> str:
+    """`value / base` to three places; "n/a" where the base made nothing (every request of
+    a static mode failed, say), so one failed mode cannot lose the others' report."""
+    return f"{value / base:.3f}" if base else "n/a"
+
+
+def number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def acceptance_contrast(modes: dict[str, Any], phase_names: list[str]) -> str | None:
+    """The transition workload's premise, printed: under static7 the high phases' mean
+    acceptance length is at least twice the low phases' (None without static7 or both
+    kinds of phase)."""
+    high = [p for p in phase_names if p.startswith("high")]
+    low = [p for p in phase_names if p.startswith("low")]
+    if "static7" not in modes or not high or not low:
+        return None
+    accept = modes["static7"]["phase_accept_len"]
+    high_len = statistics.mean(accept[p] for p in high)
+    low_len = statistics.mean(accept[p] for p in low)
+    contrast = high_len / low_len if low_len else math.inf
+    return print_table(
+        "ACCEPTANCE LENGTH UNDER static7, HIGH PHASES VS LOW (the workload asks for 2x)",
+        ["high phases", "low phases", "ratio", "at least 2x"],
+        [[f"{high_len:.2f}", f"{low_len:.2f}", f"{contrast:.2f}",
+          "yes" if contrast >= 2 else "NO"]])
+
+
 def ceiling_table(modes: dict[str, Any], statics: list[str], adaptive: list[str],
                   phase_names: list[str], best_overall: float) -> str:
     """The run each phase's best static would make if one mode could be it in every phase:
@@ -373,17 +463,20 @@ def ceiling_table(modes: dict[str, Any], statics: list[str], adaptive: list[str]
     tokens = seconds = 0.0
     for phase in phase_names:
         best = max(statics, key=lambda s: modes[s]["phases"][phase])
+        if not modes[best]["phases"][phase]:  # no static made a token here: no ceiling
+            tokens, seconds = 0.0, 0.0
+            break
         tokens += modes[best]["phase_tokens"][phase]
         seconds += modes[best]["phase_tokens"][phase] / modes[best]["phases"][phase]
-    ceiling = tokens / seconds
+    ceiling = tokens / seconds if seconds else 0.0
     return print_table(
         "THE BEST STATIC OF EACH PHASE, COMBINED (the ceiling of a choice among these tiers "
         "per phase)",
         ["run", "tok/s", "/ best static", "/ that ceiling"],
-        [["each phase's best static", f"{ceiling:.1f}", f"{ceiling / best_overall:.3f}",
-          "1.000"],
-         *([m, f"{modes[m]['throughput']:.1f}", f"{modes[m]['throughput'] / best_overall:.3f}",
-            f"{modes[m]['throughput'] / ceiling:.3f}"] for m in adaptive)])
+        [["each phase's best static", f"{ceiling:.1f}", ratio(ceiling, best_overall),
+          ratio(ceiling, ceiling)],
+         *([m, f"{modes[m]['throughput']:.1f}", ratio(modes[m]["throughput"], best_overall),
+            ratio(modes[m]["throughput"], ceiling)] for m in adaptive)])
 
 
 def paired_ratios(modes: dict[str, Any], against: list[str], mode: str,
@@ -391,16 +484,19 @@ def paired_ratios(modes: dict[str, Any], against: list[str], mode: str,
     """Per round, `mode` over the best of `against` in the same round (overall, or in
     `phase`). The modes of a round run back to back, so a slow spell of the machine that
     lowers a whole round cancels out, which it does not between medians taken over the
-    rounds."""
+    rounds. A round where none of `against` made a token has no ratio."""
     def of(run: dict[str, Any]) -> float:
         return run["throughput"] if phase is None else run["phases"][phase]
 
-    return [of(run) / max(of(modes[other]["rounds"][i]) for other in against)
-            for i, run in enumerate(modes[mode]["rounds"])]
+    pairs = [(of(run), max(of(modes[other]["rounds"][i]) for other in against))
+             for i, run in enumerate(modes[mode]["rounds"])]
+    return [value / base for value, base in pairs if base]
 
 
 def spread(ratios: list[float]) -> str:
     """Median [min-max] of per-round ratios."""
+    if not ratios:
+        return "n/a"
     return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}]"
 
 
@@ -428,8 +524,8 @@ def aa_table(modes: dict[str, Any], control: dict[str, Any], phase_names: list[s
         f"A/A CONTROL: {control['mode']} RUN TWICE IN EVERY ROUND (the second over the first; "
         "both ran the same configuration, so this is the noise in every ratio above)",
         ["measure", "overall", *phase_names],
-        [["medians", f"{second['throughput'] / first['throughput']:.3f}",
-          *(f"{second['phases'][p] / first['phases'][p]:.3f}" for p in phase_names)],
+        [["medians", ratio(second["throughput"], first["throughput"]),
+          *(ratio(second["phases"][p], first["phases"][p]) for p in phase_names)],
          ["round by round: median [min-max]", spread(paired_ratios(pair, ["first"], "second")),
           *(spread(paired_ratios(pair, ["first"], "second", p)) for p in phase_names)]])
 
@@ -520,14 +616,14 @@ def main() -> None:
     if args.aa_control and args.aa_control not in args.modes:
         parser.error(f"--aa-control {args.aa_control!r} is not one of --modes")
     results = asyncio.run(bench(args))
+    if args.json:  # first: whatever goes wrong below, the rounds are kept
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
     text = report(results)
     print(text)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    if args.plot:
-        plot(results, args.plot)
     if args.markdown:
         args.markdown.write_text(text + "\n")
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":

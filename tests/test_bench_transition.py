@@ -1,17 +1,23 @@
-"""The HTTP benchmark's bookkeeping: rounds combine into medians, errors add up."""
+"""The HTTP benchmark's bookkeeping: rounds combine into medians, errors add up, and a run
+that goes wrong keeps what it measured."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 from bench.http_suite import end_leftovers
 from bench.transition import (
+    again,
+    bench,
+    check_modes,
     combine,
     defined_mode,
     defined_modes,
@@ -23,6 +29,7 @@ from bench.transition import (
     select_phases,
     sweep_phases,
     typical_round,
+    with_aa_copy,
 )
 
 
@@ -184,3 +191,98 @@ def test_the_suite_ends_processes_the_app_left_running() -> None:
     ended = end_leftovers(processes, grace_s=1)
     assert ended == [f"{sys.executable} (pid {stubborn.pid})"]
     assert stubborn.wait(timeout=5) == -9
+
+
+def test_the_aa_copy_runs_half_a_round_from_its_twin_in_every_round() -> None:
+    """Next to each other the two copies would measure back-to-back noise only, and the
+    copy would always start from the state its twin left."""
+    for count in range(1, 9):
+        modes = [f"m{i}" for i in range(count)]
+        for twin in modes:
+            order = with_aa_copy(modes, twin)
+            assert sorted(order) == sorted([*modes, again(twin)])
+            for round_ in range(2 * len(order)):
+                ran = round_order(order, round_)
+                apart = abs(ran.index(twin) - ran.index(again(twin)))
+                assert min(apart, len(order) - apart) == len(order) // 2
+
+
+def test_a_mode_the_app_would_refuse_is_refused_before_the_first_round() -> None:
+    deployed = {"name": "goodput"}
+    policies = {mode: policy_for_mode(mode, deployed)
+                for mode in ("static2", "static", "emaa", "static3", "goodput")}
+    with pytest.raises(SystemExit) as refused:
+        check_modes(policies, [0, 1, 3, 7, 15])
+    message = str(refused.value)
+    assert "static2: K=2 is not one of the replicas' tiers" in message
+    refused_modes = {line.strip().split(":")[0] for line in message.splitlines()[1:]}
+    assert refused_modes == {"static2", "static", "emaa"}, message
+    check_modes({"static3": policies["static3"], "goodput": deployed}, [0, 3])
+
+
+def test_a_static_mode_that_made_nothing_leaves_the_report_readable() -> None:
+    """Every request of static1 failed (0 tok/s, no latency): the ratios against it read
+    n/a instead of ending the run's report with a ZeroDivisionError."""
+    dead = _round(0, 0, 16, 0)
+    dead.update(latency_s=None, phases={"low_1": 0.0, "high_1": 0.0})
+    modes = {"static1": combine([dead, dead]),
+             "goodput": combine([_round(420, 225, 0, 3), _round(400, 200, 0, 3)])}
+    again_ = combine([_round(0, 0, 0, 3), _round(0, 0, 0, 3)])
+    text = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 2,
+                   "aa_control": {"mode": "goodput", "again": again_}})
+    assert "| static1 | 0.0 | n/a | 1.50 | 0 | 32 |" in text
+    assert "| goodput | n/a | n/a | n/a |" in text  # against the best static
+    assert "| goodput | n/a | n/a [" not in text and "| goodput | n/a | n/a | n/a |" in text
+
+
+def test_the_acceptance_contrast_of_the_workload_is_printed() -> None:
+    modes = {"static7": combine([_round(300, 250, 0, 0)]),
+             "goodput": combine([_round(420, 225, 0, 3)])}
+    text = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 1})
+    assert "| 5.00 | 1.00 | 5.00 | yes |" in text  # high_1 5.0 against low_1 1.0
+    modes["static7"]["phase_accept_len"]["high_1"] = 1.5
+    assert "| 1.50 | 1.00 | 1.50 | NO |" in report(
+        {"modes": modes, "phases": ["low_1", "high_1"], "rounds": 1})
+
+
+class FlakyApp:
+    """`bench.transition.Client` against an app whose admin route fails on a given policy
+    change: every request completes at once with 10 tokens."""
+
+    fail_on_change = 0
+
+    def __init__(self, *_: object) -> None:
+        self.changes = 0
+        self.http = httpx.AsyncClient()
+
+    async def resolve_model(self) -> None:
+        pass
+
+    async def complete(self, prompt: object, seed: int) -> tuple[int, float]:
+        return 10, 0.01
+
+    async def replicas(self) -> list[dict]:
+        return [{"replica_id": "r", "policy": {"name": "goodput"}, "candidates": [0, 1, 3],
+                 "switch_count": 0, "active_k": 1, "counters": {"sequence_steps": 0}}]
+
+    async def set_policy(self, policy: dict) -> None:
+        self.changes += 1
+        if self.changes == self.fail_on_change:
+            raise httpx.ConnectError("the app went away")
+
+
+def test_a_run_the_app_fails_partway_keeps_the_rounds_every_mode_finished(monkeypatch) -> None:
+    monkeypatch.setattr("bench.transition.Client", FlakyApp)
+    monkeypatch.setattr(FlakyApp, "fail_on_change", 8)  # round 3 (3 modes a round), 2nd mode
+    args = argparse.Namespace(url="http://127.0.0.1:1", model="m", max_tokens=10, api_key=None,
+                              workload="transition", requests=2, concurrency=1, warmup=1,
+                              phases=None, modes=["static1", "static3", "goodput"],
+                              defined={}, aa_control=None, rounds=4)
+    results = asyncio.run(bench(args))
+    assert results["rounds"] == 2 and "the app went away" in \
+        results["stopped_early"]["error"]
+    assert all(len(mode["rounds"]) == 2 for mode in results["modes"].values())
+    assert report(results).startswith("STOPPED EARLY: 2 of 4 rounds finished for every mode")
+    monkeypatch.setattr(FlakyApp, "fail_on_change", 1)
+    with pytest.raises(SystemExit, match="no round finished"):
+        asyncio.run(bench(args))
