@@ -60,8 +60,6 @@ class SimReplica:
     class_tokens: dict[str, int] = field(default_factory=dict)
     """Tokens asked of this replica, per request class."""
     classes: ClassAcceptance = field(default_factory=ClassAcceptance)
-    learns_classes: bool = False
-    """Whether its per-class acceptance is kept (only modes with the cluster view read it)."""
     window_accepted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
     window_drafted: list[int] = field(default_factory=lambda: [0] * max(CANDIDATES))
     cluster: Any = None
@@ -74,9 +72,24 @@ class SimReplica:
     def load(self) -> int:
         return len(self.in_flight)
 
+    def take(self, arrival: Arrival, request_id: str, seed: int) -> None:
+        """The request into the engine's queue, with its class, as the replica deployment
+        keeps it for the request's windows."""
+        entry = self.engine.submit(GenerationRequest(
+            request_id=request_id, prompt="sim", max_tokens=arrival.max_tokens,
+            request_class=arrival.request_class, seed=seed))
+        self.in_flight[request_id] = Tracked(arrival, entry)
+        self.in_flight_classes[arrival.request_class] += 1
+        self.in_flight_class[request_id] = arrival.request_class
+        self.class_tokens[arrival.request_class] = \
+            self.class_tokens.get(arrival.request_class, 0) + arrival.max_tokens
+
     def telemetry(self) -> dict[str, Any]:
         """The period's push to the hub; also refreshes the per-class acceptance (the
         replica's class prior, and the fleet's through the hub) and starts new windows."""
+        # As the replica deployment, hub or not: from its requests' windows, before the push.
+        self.classes.observe(class_counts(
+            *period_windows(self.engine, self.in_flight_class), self.engine.kmax))
         counters = self.engine.counters()
         stats = {"running": counters.running, "waiting": counters.waiting,
                  "ongoing": self.load, "active_k": self.pool.active_k,
@@ -85,9 +98,6 @@ class SimReplica:
                  "class_fresh": self.classes.own_fresh}
         self.window_accepted = [0] * max(CANDIDATES)
         self.window_drafted = [0] * max(CANDIDATES)
-        if self.learns_classes:  # as the replica deployment: from its requests' windows
-            self.classes.observe(class_counts(
-                *period_windows(self.engine, self.in_flight_class), self.engine.kmax))
         return stats
 
 
@@ -177,32 +187,52 @@ def policy_for(mode: str, switch_margin: float | None = None,
     return config
 
 
-async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s: float,
-                   slo_ttft_s: float, slo_tpot_s: float, seed: int,
-                   switch_margin: float | None = None, tpot_bound: bool = False
-                   ) -> ModeOutcome:
-    started = time.perf_counter()
+async def build_fleet(mode: str, replicas: int, seed: int, switch_margin: float | None = None,
+                      tpot_bound_s: float | None = None) -> list[SimReplica]:
     # Acceptance models named by request class: each request carries its class into the
     # engine, as the ingress's do in the app, and the engine's records of finished requests
     # name the classes the replicas learn.
     preset = replace(PRESETS[PRESET], acceptance={
         name: PRESETS[PRESET].acceptance[model] for name, model in CLASSES.items()})
-    uses_cluster, gathering = mode in CLUSTER, mode == "goodput_routed"
     fleet = []
     for i in range(replicas):
         engine = SimulatedEngine(preset, kmax=max(CANDIDATES), max_num_seqs=64, seed=(seed, i))
         # Static modes start on their tier; adaptive ones on K=3, as the replay does.
         pool = TierPool(engine, CANDIDATES, initial_k=int(mode[6:]) if mode in STATIC else 3)
         await pool.apply_initial()
-        replica = SimReplica(f"r{i}", engine, pool, learns_classes=uses_cluster)
+        replica = SimReplica(f"r{i}", engine, pool)
         policy = OracleK(engine, CANDIDATES) if mode == ORACLE else \
-            build_policy(policy_for(mode, switch_margin, slo_tpot_s if tpot_bound else None),
-                         CANDIDATES)
-        replica.loop = ControlLoop(
-            engine, pool, policy,
-            max_batch=engine.max_num_seqs,
-            class_prior=replica.class_prior if uses_cluster else None)
+            build_policy(policy_for(mode, switch_margin, tpot_bound_s), CANDIDATES)
+        # Every mode prices by what its own requests' classes showed, as a replica does
+        # without the hub; the cluster modes also get the fleet's rates per class.
+        replica.loop = ControlLoop(engine, pool, policy, max_batch=engine.max_num_seqs,
+                                   class_prior=replica.class_prior)
         fleet.append(replica)
+    return fleet
+
+
+def exchange_telemetry(fleet: list[SimReplica], hub: ClusterState, now: float,
+                       with_cluster: bool) -> None:
+    """One telemetry period: every replica measures its requests' classes (a replica does,
+    hub or not); with the cluster view each also pushes to the hub and takes back the
+    fleet's view and per-class rates."""
+    for replica in fleet:
+        stats = replica.telemetry()
+        if with_cluster:
+            view = hub.push(replica.replica_id, stats, now=now)
+            replica.cluster = ClusterView.from_hub(view)
+            replica.classes.fleet = view["class_acceptance"]
+            replica.classes.fleet_fresh = view["class_fresh"]
+
+
+async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s: float,
+                   slo_ttft_s: float, slo_tpot_s: float, seed: int,
+                   switch_margin: float | None = None, tpot_bound: bool = False
+                   ) -> ModeOutcome:
+    started = time.perf_counter()
+    uses_cluster, gathering = mode in CLUSTER, mode == "goodput_routed"
+    fleet = await build_fleet(mode, replicas, seed, switch_margin,
+                              slo_tpot_s if tpot_bound else None)
     hub = ClusterState(stale_after_s=3 * TELEMETRY_PERIOD_S)
     recent_by_class = RecentByClass()
     rng = random.Random(seed)
@@ -245,18 +275,11 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                 recent_by_class.record(arrival.request_class, pick)
                 target = int(pick[1:])
             else:  # Ray Serve's default: the less loaded of two random replicas
-                a, b = rng.randrange(replicas), rng.randrange(replicas)
+                a, b = rng.sample(range(replicas), 2) if replicas > 1 else (0, 0)
                 target = a if fleet[a].load <= fleet[b].load else b
             replica = fleet[target]
             serial += 1
-            entry = replica.engine.submit(GenerationRequest(
-                request_id=f"q{serial}", prompt="sim", max_tokens=arrival.max_tokens,
-                request_class=arrival.request_class, seed=serial))
-            replica.in_flight[entry.request.request_id] = Tracked(arrival, entry)
-            replica.in_flight_classes[arrival.request_class] += 1
-            replica.in_flight_class[entry.request.request_id] = arrival.request_class
-            replica.class_tokens[arrival.request_class] = \
-                replica.class_tokens.get(arrival.request_class, 0) + arrival.max_tokens
+            replica.take(arrival, f"q{serial}", seed=serial)
             if not replica.busy:
                 start_step(target, now)
         elif kind == "step":
@@ -279,12 +302,8 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
             outcome.end_s = now
             if replica.in_flight:
                 start_step(index, now)
-        else:  # the telemetry period: every replica pushes and reads its cluster view
-            for replica in fleet:
-                view = hub.push(replica.replica_id, replica.telemetry(), now=now)
-                replica.cluster = ClusterView.from_hub(view)
-                replica.classes.fleet = view["class_acceptance"]
-                replica.classes.fleet_fresh = view["class_fresh"]
+        else:
+            exchange_telemetry(fleet, hub, now, with_cluster=uses_cluster)
             if arrivals_left or any(r.in_flight for r in fleet):
                 schedule(now + TELEMETRY_PERIOD_S, "hub", 0)
     outcome.switches = sum(r.pool.switch_count for r in fleet)
