@@ -6,6 +6,7 @@ import asyncio
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
@@ -16,15 +17,18 @@ from bench.cluster.fleet import (
     OracleK,
     build_fleet,
     exchange_telemetry,
+    mixed_tokens_per_s,
     policy_for,
     simulate,
     summarise,
+    tuned_batch_table,
 )
 from bench.cluster.load import Arrival, LoadShape, workload
 from bench.cluster.report import gathering_bound
 from bench.cluster.runs import CAPACITY_RESOLUTION, Run, run_one, slo_capacity
 from bench.policy_replay import CANDIDATES
 from policies.class_acceptance import class_counts
+from policies.registry import build_policy
 from policies.signals import Signals
 from replicas.engines.base import REQUEST_WINDOW, GenerationRequest
 from replicas.engines.sim_engine import SimulatedEngine
@@ -283,3 +287,22 @@ def test_every_mode_prices_by_its_own_classes_and_only_cluster_modes_by_the_flee
     else:
         assert copy_replica.cluster is not None
         assert set(copy_replica.classes.fleet) == {"copy", "chat"}
+
+
+def test_vllms_batch_table_is_tuned_to_the_runs_class_mix_as_an_operator_would():
+    """The vLLM baseline gets the best table its schema can hold here: at every batch size
+    the K that makes the most tokens/s for the mix, in vLLM's contiguous [start, end, K]
+    rows (valid for the policy as is)."""
+    preset = PRESETS[PRESET]
+    shares = {"copy": 0.6, "code": 0.3, "chat": 0.1}
+    rows = tuned_batch_table(preset, shares, 64)
+    assert rows[0][0] == 1 and rows[-1][1] == 64
+    assert all(a[1] + 1 == b[0] and a[2] != b[2] for a, b in pairwise(rows))
+    for start, end, k in rows:
+        for batch in (start, end):
+            assert k == max(CANDIDATES, key=lambda c: mixed_tokens_per_s(preset, shares, batch, c))
+    assert rows[0][2] > rows[-1][2], "deep when the batch is small, shallower when it is full"
+    config = policy_for("batch_table", batch_table=rows)
+    assert config["num_speculative_tokens_per_batch_size"] == rows
+    assert config["concurrency_source"] == "local"
+    assert build_policy(config, CANDIDATES).name == "batch_table"

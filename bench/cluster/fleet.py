@@ -14,7 +14,7 @@ from typing import Any
 
 from app.router import RecentByClass, ReplicaLoad, pick_warm, rank_replicas, sample_candidates
 from app.telemetry_hub import ClusterState
-from bench.cluster.load import CLASSES, Arrival
+from bench.cluster.load import CLASSES, Arrival, token_shares
 from bench.policy_replay import CANDIDATES
 from bench.policy_replay import policy_config as replay_policy_config
 from policies.class_acceptance import ClassAcceptance, ClassPrior, class_counts
@@ -23,7 +23,7 @@ from policies.signals import ClusterView, Decision, Signals
 from replicas.control_loop import ControlLoop
 from replicas.engines.base import GenerationRequest, add_per_position, period_windows
 from replicas.engines.sim_engine import SimulatedEngine
-from replicas.engines.sim_presets import PRESETS
+from replicas.engines.sim_presets import PRESETS, SimPreset
 from replicas.tier_pool import TierPool
 
 PRESET = "h20-llama8b-ngram"
@@ -33,6 +33,7 @@ CLUSTER = ("goodput_cluster", "goodput_routed")
 ORACLE = "oracle_k"
 MODES = (*STATIC, *LOCAL, *CLUSTER, ORACLE)
 TELEMETRY_PERIOD_S = 0.5  # as the replica deployment's hub exchange
+MAX_BATCH = 64  # each simulated engine's `max_num_seqs`
 # Switches before this are start-up moves (every mode starts on one tier; `ema`'s slots
 # leave their warm-up batches and first updates within it), not the steady rate.
 WARMUP_S = 3.0
@@ -171,8 +172,35 @@ class OracleK:
         return Decision(max(self.candidates, key=tokens_per_second), "oracle")
 
 
+def mixed_tokens_per_s(preset: SimPreset, shares: dict[str, float], batch: int, k: int
+                       ) -> float:
+    """Tokens/s of one replica running `batch` requests of this class mix (token shares) at
+    K, in the cost model. A class that needs more steps per token holds more of a mixed
+    batch's slots, so the replica makes B / (t(B, K) * sum_c share_c / length_c(K))."""
+    return batch / (preset.step_seconds(batch, k) * sum(
+        share / (1 + preset.acceptance[CLASSES[c]].mean_run(k)) for c, share in shares.items()))
+
+
+def tuned_batch_table(preset: SimPreset, shares: dict[str, float], max_batch: int
+                      ) -> list[list[int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size` as a careful operator would write it
+    for this fleet: at each batch size the one K that makes the most tokens/s for the run's
+    class mix, from the cost model (an offline profile), in vLLM's [start, end, K] rows.
+    vLLM ships no default table; its documentation's example ([1, 64] -> 3, [65, 128] -> 1,
+    beyond -> 0) holds K=3 at every batch a replica here reaches, which is static3's row."""
+    rows: list[list[int]] = []
+    for batch in range(1, max_batch + 1):
+        best = max(CANDIDATES, key=lambda k: mixed_tokens_per_s(preset, shares, batch, k))
+        if rows and rows[-1][2] == best:
+            rows[-1][1] = batch
+        else:
+            rows.append([batch, batch, best])
+    return rows
+
+
 def policy_for(mode: str, switch_margin: float | None = None,
-               tpot_bound_s: float | None = None) -> dict[str, Any]:
+               tpot_bound_s: float | None = None,
+               batch_table: list[list[int]] | None = None) -> dict[str, Any]:
     if mode.startswith("goodput"):
         config = replay_policy_config("goodput", PRESET)
         config["concurrency_source"] = "local" if mode == "goodput_local" else "effective"
@@ -184,25 +212,33 @@ def policy_for(mode: str, switch_margin: float | None = None,
     config = replay_policy_config(mode, PRESET)
     if mode in ("batch_table", "ema"):
         config["concurrency_source"] = "local"  # the engine's batch, as vLLM and SGLang do
+    if mode == "batch_table" and batch_table is not None:
+        config["num_speculative_tokens_per_batch_size"] = batch_table
     return config
 
 
 async def build_fleet(mode: str, replicas: int, seed: int, switch_margin: float | None = None,
-                      tpot_bound_s: float | None = None) -> list[SimReplica]:
+                      tpot_bound_s: float | None = None,
+                      shares: dict[str, float] | None = None) -> list[SimReplica]:
+    """`replicas` simulated replicas running `mode`; `shares` (the run's token share per
+    request class) tunes `batch_table`'s table."""
     # Acceptance models named by request class: each request carries its class into the
     # engine, as the ingress's do in the app, and the engine's records of finished requests
     # name the classes the replicas learn.
     preset = replace(PRESETS[PRESET], acceptance={
         name: PRESETS[PRESET].acceptance[model] for name, model in CLASSES.items()})
+    table = tuned_batch_table(PRESETS[PRESET], shares, MAX_BATCH) \
+        if mode == "batch_table" and shares else None
     fleet = []
     for i in range(replicas):
-        engine = SimulatedEngine(preset, kmax=max(CANDIDATES), max_num_seqs=64, seed=(seed, i))
+        engine = SimulatedEngine(preset, kmax=max(CANDIDATES), max_num_seqs=MAX_BATCH,
+                                 seed=(seed, i))
         # Static modes start on their tier; adaptive ones on K=3, as the replay does.
         pool = TierPool(engine, CANDIDATES, initial_k=int(mode[6:]) if mode in STATIC else 3)
         await pool.apply_initial()
         replica = SimReplica(f"r{i}", engine, pool)
         policy = OracleK(engine, CANDIDATES) if mode == ORACLE else \
-            build_policy(policy_for(mode, switch_margin, tpot_bound_s), CANDIDATES)
+            build_policy(policy_for(mode, switch_margin, tpot_bound_s, table), CANDIDATES)
         # Every mode prices by what its own requests' classes showed, as a replica does
         # without the hub; the cluster modes also get the fleet's rates per class.
         replica.loop = ControlLoop(engine, pool, policy, max_batch=engine.max_num_seqs,
@@ -232,7 +268,7 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
     started = time.perf_counter()
     uses_cluster, gathering = mode in CLUSTER, mode == "goodput_routed"
     fleet = await build_fleet(mode, replicas, seed, switch_margin,
-                              slo_tpot_s if tpot_bound else None)
+                              slo_tpot_s if tpot_bound else None, token_shares(arrivals))
     hub = ClusterState(stale_after_s=3 * TELEMETRY_PERIOD_S)
     recent_by_class = RecentByClass()
     rng = random.Random(seed)

@@ -6,8 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.cluster.fleet import CLUSTER, LOCAL, MODES, ORACLE, PRESET, STATIC
-from bench.cluster.load import CLASSES
+from bench.cluster.fleet import CLUSTER, LOCAL, MODES, ORACLE, PRESET, STATIC, mixed_tokens_per_s
 from bench.cluster.runs import CAPACITY_RESOLUTION
 from bench.policy_replay import CANDIDATES
 from bench.report import print_table
@@ -42,16 +41,9 @@ def gathering_bound(preset: SimPreset, shares: dict[str, float], batch: int
     """Tokens/s of one replica at `batch` for this class mix (token shares): every replica
     serving the mix at its best single K, against replicas that each serve one class at that
     class's best K (as many replicas per class as its work needs). It bounds what gathering
-    similar requests can give in this cost model. A class that needs more steps per token
-    holds more of a mixed batch's slots, so a mixed replica makes
-    B / (t(B, K) * sum_c share_c / length_c(K)) tokens per second."""
-    def length(request_class: str, k: int) -> float:
-        return 1 + preset.acceptance[CLASSES[request_class]].mean_run(k)
-
-    mixed = max(batch / (preset.step_seconds(batch, k) *
-                         sum(share / length(c, k) for c, share in shares.items()))
-                for k in CANDIDATES)
-    gathered = 1 / sum(share * min(preset.step_seconds(batch, k) / (batch * length(c, k))
+    similar requests can give in this cost model."""
+    mixed = max(mixed_tokens_per_s(preset, shares, batch, k) for k in CANDIDATES)
+    gathered = 1 / sum(share / max(mixed_tokens_per_s(preset, {c: 1.0}, batch, k)
                                    for k in CANDIDATES) for c, share in shares.items())
     return mixed, gathered
 
