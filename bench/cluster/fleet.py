@@ -86,9 +86,10 @@ class SimReplica:
             self.class_tokens.get(arrival.request_class, 0) + arrival.max_tokens
 
     def telemetry(self) -> dict[str, Any]:
-        """The period's push to the hub; also refreshes the per-class acceptance (the
-        replica's class prior, and the fleet's through the hub) and starts new windows."""
-        # As the replica deployment, hub or not: from its requests' windows, before the push.
+        """The period's stats (the cluster modes push them to the hub); first refreshes the
+        per-class acceptance from the requests' windows, as the replica deployment does,
+        hub or not (the replica's class prior, and through the hub the fleet's), and starts
+        new windows."""
         self.classes.observe(class_counts(
             *period_windows(self.engine, self.in_flight_class), self.engine.kmax))
         counters = self.engine.counters()
