@@ -85,8 +85,7 @@ def policy_for_mode(mode: str, deployed: dict[str, Any],
     if defined and mode in defined:
         return defined[mode]
     if is_static(mode):
-        k = mode.removeprefix("static")
-        return {"name": "static", "k": int(k) if k.isdigit() else k}  # a bad K: check_modes
+        return {"name": "static", "k": int(mode.removeprefix("static"))}
     return deployed if deployed.get("name") == mode else {"name": mode}
 
 
@@ -330,9 +329,6 @@ def check_modes(policies: dict[str, dict[str, Any]], candidates: list[int]) -> N
     config it cannot parse, or a static K that is not one of the replicas' tiers."""
     problems = []
     for mode, policy in policies.items():
-        if policy.get("name") == "static" and not isinstance(policy.get("k"), int):
-            problems.append(f"{mode}: a static mode is static<K>, K one of {candidates}")
-            continue
         try:
             parsed = parse_policy_config(policy)
         except ValueError as error:
@@ -615,6 +611,9 @@ def main() -> None:
         parser.error(str(error))
     if args.aa_control and args.aa_control not in args.modes:
         parser.error(f"--aa-control {args.aa_control!r} is not one of --modes")
+    if bad := [m for m in args.modes
+               if is_static(m) and not m.removeprefix("static").isdigit()]:
+        parser.error(f"{', '.join(bad)}: a static mode is static<K>, K a number")
     results = asyncio.run(bench(args))
     if args.json:  # first: whatever goes wrong below, the rounds are kept
         args.json.write_text(json.dumps(results, indent=2) + "\n")

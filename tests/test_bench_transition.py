@@ -87,7 +87,9 @@ def test_each_define_is_named_once_and_runs() -> None:
     (["--modes", "static1", "--define", 'g={"name": "goodput"}'],
      "'g' is defined but not in --modes"),
     (["--modes", "static1,ema", "--aa-control", "goodput"],
-     "--aa-control 'goodput' is not one of --modes")])
+     "--aa-control 'goodput' is not one of --modes"),
+    (["--modes", "static1,static,staticx"],
+     "static, staticx: a static mode is static<K>, K a number")])
 def test_the_command_line_refuses_a_mode_it_would_not_run(arguments: list[str], reason: str
                                                           ) -> None:
     """Refused when the command is read, before it reaches for the app."""
@@ -210,13 +212,13 @@ def test_the_aa_copy_runs_half_a_round_from_its_twin_in_every_round() -> None:
 def test_a_mode_the_app_would_refuse_is_refused_before_the_first_round() -> None:
     deployed = {"name": "goodput"}
     policies = {mode: policy_for_mode(mode, deployed)
-                for mode in ("static2", "static", "emaa", "static3", "goodput")}
+                for mode in ("static2", "emaa", "static3", "goodput")}
     with pytest.raises(SystemExit) as refused:
         check_modes(policies, [0, 1, 3, 7, 15])
     message = str(refused.value)
     assert "static2: K=2 is not one of the replicas' tiers" in message
     refused_modes = {line.strip().split(":")[0] for line in message.splitlines()[1:]}
-    assert refused_modes == {"static2", "static", "emaa"}, message
+    assert refused_modes == {"static2", "emaa"}, message
     check_modes({"static3": policies["static3"], "goodput": deployed}, [0, 3])
 
 
