@@ -1,12 +1,22 @@
-"""Table helpers shared by the benchmarks: markdown tables and adaptive-vs-static verdicts."""
+"""Table helpers shared by the benchmarks: markdown tables, adaptive-vs-static verdicts, and
+the confidence interval of a ratio measured round by round."""
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-# Within this relative difference two modes are "on par": run-to-run noise on this machine.
+# Within this relative difference two modes are "on par" when a single measurement is all
+# there is (one round, or a deterministic simulation).
 PAR_BAND = 0.03
+# Student's t, two-sided 95%, by degrees of freedom 1-30: a handful of rounds gives far less
+# certainty than the normal's 1.96 would claim (2.57 for six rounds).
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+         2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+         2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -30,8 +40,56 @@ def compare_to_statics(throughputs: dict[str, float]) -> list[tuple[str, str, fl
 
 
 def verdict(delta: float) -> str:
+    """From a single measurement of `a / b - 1` (see `PAR_BAND`)."""
     if delta > PAR_BAND:
         return "better"
     if delta < -PAR_BAND:
         return "worse"
     return "on par"
+
+
+def t_975(degrees_of_freedom: int) -> float:
+    if degrees_of_freedom <= len(T_975):
+        return T_975[degrees_of_freedom - 1]
+    return 1.96 + 2.373 / degrees_of_freedom  # Cornish-Fisher's first term: 2.039 at 30
+
+
+@dataclass(frozen=True)
+class RatioInterval:
+    """The geometric mean of paired ratios (one a round: a mode over another in the same
+    round) and its 95% confidence interval, a t interval on the ratios' logs. Logs, because
+    a ratio of 0.8 and one of 1.25 are the same distance from parity."""
+
+    mean: float
+    low: float
+    high: float
+    rounds: int
+
+    @classmethod
+    def of(cls, ratios: Sequence[float]) -> RatioInterval | None:
+        """None for fewer than two ratios, or where a mode made nothing in some round (a
+        ratio of 0 has no log; the report's medians show that round)."""
+        if len(ratios) < 2 or min(ratios) <= 0:
+            return None
+        logs = [math.log(r) for r in ratios]
+        centre = statistics.fmean(logs)
+        half = t_975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+        return cls(math.exp(centre), math.exp(centre - half), math.exp(centre + half),
+                   len(logs))
+
+    def against(self, bar: float) -> str:
+        """Whether the rounds show the mean ratio above `bar`, below it, or neither."""
+        if self.low > bar:
+            return "above"
+        if self.high < bar:
+            return "below"
+        return "not resolved"
+
+    def __str__(self) -> str:
+        return f"{self.mean:.3f} [{self.low:.3f}-{self.high:.3f}]"
+
+
+def interval_verdict(interval: RatioInterval) -> str:
+    """`verdict` from rounds: better or worse only where the 95% interval of the paired
+    ratio excludes parity, on par where it holds it."""
+    return {"above": "better", "below": "worse", "not resolved": "on par"}[interval.against(1.0)]

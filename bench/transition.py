@@ -25,6 +25,11 @@ moves concurrency 1 -> 16 -> 64 -> 1 over a mix of both.
 Per phase, throughput = completion tokens / phase wall time and acceptance length = completion
 tokens / sequence-steps (engine verify steps summed over sequences), read from the replicas'
 counters (`GET /admin/replicas`).
+
+With several rounds (`--rounds`) the tables give medians, and the ratios that decide something
+are also taken round by round (the modes of a round run back to back, so a slow spell of the
+machine cancels out) with a 95% interval over the rounds: the verdicts against each static,
+and whether each bar is met, missed, or not resolved by the run.
 """
 
 from __future__ import annotations
@@ -42,7 +47,14 @@ from typing import Any
 
 import httpx
 
-from bench.report import compare_to_statics, is_static, print_table, verdict
+from bench.report import (
+    RatioInterval,
+    compare_to_statics,
+    interval_verdict,
+    is_static,
+    print_table,
+    verdict,
+)
 from bench.workloads import HIGH, LOW, Prompt
 from policies.registry import parse_policy_config
 
@@ -412,14 +424,30 @@ def report(results: dict[str, Any]) -> str:
         lines.append(ceiling_table(modes, statics, adaptive, phase_names, best_overall))
     if statics and adaptive and rounds > 1:
         lines.append(paired_table(modes, statics, adaptive, phase_names))
+        lines.append(interval_table(modes, statics, adaptive, phase_names))
     if "aa_control" in results:
         lines.append(aa_table(modes, results["aa_control"], phase_names))
     comparisons = compare_to_statics({m: r["throughput"] for m, r in modes.items()})
     if comparisons:
-        lines.append(print_table(
-            "ADAPTIVE VS STATIC", ["adaptive", "static", "delta", "verdict"],
-            [[a, s, f"{d:+.1%}", verdict(d)] for a, s, d in comparisons]))
+        lines.append(versus_statics_table(modes, comparisons))
     return "\n\n".join(lines)
+
+
+def versus_statics_table(modes: dict[str, Any], comparisons: list[tuple[str, str, float]]
+                         ) -> str:
+    """Each adaptive mode against each static: the delta of their medians, and, with
+    rounds, the round-by-round ratio's 95% interval, which sets the verdict (better or worse
+    only where it excludes parity); with one round the delta's band does."""
+    rows = []
+    for adaptive, static, delta in comparisons:
+        interval = RatioInterval.of(paired_ratios(modes, [static], adaptive))
+        rows.append([adaptive, static, f"{delta:+.1%}", str(interval or "n/a"),
+                     interval_verdict(interval) if interval else verdict(delta)])
+    return print_table(
+        "ADAPTIVE VS STATIC (delta of the medians; round by round: geometric mean [95% "
+        "interval] of the adaptive mode over the static in the same round, which sets the "
+        "verdict where there are rounds)",
+        ["adaptive", "static", "delta", "round by round", "verdict"], rows)
 
 
 def ratio(value: float, base: float) -> str:
@@ -508,6 +536,29 @@ def paired_table(modes: dict[str, Any], statics: list[str], adaptive: list[str],
         [[m, cell(paired_ratios(modes, statics, m), 1.0),
           *(cell(paired_ratios(modes, statics, m, p), 0.9) for p in phase_names)]
          for m in adaptive])
+
+
+def interval_table(modes: dict[str, Any], statics: list[str], adaptive: list[str],
+                   phase_names: list[str]) -> str:
+    """The bars with their noise: each adaptive mode over the best static by medians (the
+    bar's static; in each phase that phase's), round by round, as a geometric mean with its
+    95% interval, and whether the rounds put it above the bar, below it, or do not resolve
+    it. Against one static throughout, not each round's best, which a slow spell of one
+    static's turn would lower in that round only."""
+    def cell(mode: str, phase: str | None, bar: float) -> str:
+        def of(static: str) -> float:
+            run = modes[static]
+            return run["throughput"] if phase is None else run["phases"][phase]
+
+        interval = RatioInterval.of(paired_ratios(modes, [max(statics, key=of)], mode, phase))
+        return f"{interval} {interval.against(bar)}" if interval else "n/a"
+
+    return print_table(
+        "ADAPTIVE VS BEST STATIC, ROUND BY ROUND WITH 95% INTERVALS (geometric mean [interval] "
+        "of each round's ratio to the best static by medians; the interval above the bar, "
+        "below it, or not resolved: 1.0 overall, 0.9 per phase)",
+        ["mode", "overall", *phase_names],
+        [[m, cell(m, None, 1.0), *(cell(m, p, 0.9) for p in phase_names)] for m in adaptive])
 
 
 def aa_table(modes: dict[str, Any], control: dict[str, Any], phase_names: list[str]) -> str:

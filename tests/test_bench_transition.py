@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import psutil
 import pytest
 
 from bench.http_suite import end_leftovers
+from bench.report import RatioInterval
 from bench.transition import (
     again,
     bench,
@@ -288,3 +291,48 @@ def test_a_run_the_app_fails_partway_keeps_the_rounds_every_mode_finished(monkey
     monkeypatch.setattr(FlakyApp, "fail_on_change", 1)
     with pytest.raises(SystemExit, match="no round finished"):
         asyncio.run(bench(args))
+
+
+def test_a_ratio_interval_is_a_t_interval_on_the_logs_of_the_rounds_ratios() -> None:
+    interval = RatioInterval.of([math.exp(0.1), math.exp(-0.1)])
+    half = 12.706 * statistics.stdev([0.1, -0.1]) / math.sqrt(2)  # t at one degree of freedom
+    assert (interval.mean, interval.low, interval.high) == \
+        pytest.approx((1.0, math.exp(-half), math.exp(half)))
+    assert interval.against(1.0) == "not resolved"
+    assert RatioInterval.of([1.2, 1.25, 1.22]).against(1.0) == "above"
+    assert RatioInterval.of([0.8, 0.82, 0.79]).against(0.9) == "below"
+    assert RatioInterval.of([1.1]) is None, "one round has no spread to judge by"
+    assert RatioInterval.of([1.1, 0.0]) is None, "a round where a mode made nothing has no log"
+
+
+def test_verdicts_against_statics_come_from_the_rounds_not_the_medians() -> None:
+    """goodput's median is 3.6% above static1's, but round by round the two swap places: on
+    par. It is 2.2% above static15's, and ahead by about 2% in every round: better."""
+    rounds = {"static1": [_round(300, 200, 0, 0), _round(500, 200, 0, 0),
+                          _round(340, 200, 0, 0), _round(560, 200, 0, 0)],
+              "static15": [_round(392, 200, 0, 0), _round(440, 200, 0, 0),
+                           _round(411, 200, 0, 0), _round(470, 200, 0, 0)],
+              "goodput": [_round(400, 200, 0, 3), _round(450, 200, 0, 3),
+                          _round(420, 200, 0, 3), _round(480, 200, 0, 3)]}
+    modes = {mode: combine(runs) for mode, runs in rounds.items()}
+    rows = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 4}).splitlines()
+    static1 = next(line for line in rows if line.startswith("| goodput | static1 |"))
+    static15 = next(line for line in rows if line.startswith("| goodput | static15 |"))
+    assert static1.endswith("| on par |") and static15.endswith("| better |")
+    one_round = {mode: combine(runs[:1]) for mode, runs in rounds.items()}
+    text = report({"modes": one_round, "phases": ["low_1", "high_1"], "rounds": 1})
+    assert "| goodput | static15 | +2.0% | n/a | on par |" in text, "one round: the band"
+
+
+def test_the_bars_are_judged_with_their_interval_against_the_best_static_by_medians() -> None:
+    modes = {"static1": combine([_round(400, 200, 0, 0), _round(200, 100, 0, 0),
+                                 _round(300, 150, 0, 0)]),
+             "goodput": combine([_round(440, 150, 0, 3), _round(222, 76, 0, 3),
+                                 _round(327, 111, 0, 3)])}
+    text = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 3})
+    table = text.split("### ADAPTIVE VS BEST STATIC, ROUND BY ROUND WITH 95% INTERVALS")[1]
+    row = next(line for line in table.splitlines() if line.startswith("| goodput |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[1].endswith("above"), "ahead by 9-11% in every round"
+    assert cells[2].endswith("below"), "low_1 at 0.74-0.76 of static1 against a bar of 0.9"
+    assert cells[3] == "1.000 [1.000-1.000] above"
