@@ -21,19 +21,15 @@ from bench.transition import (
     again,
     bench,
     check_modes,
-    combine,
     defined_mode,
     defined_modes,
-    paired_ratios,
-    plot,
     policy_for_mode,
-    report,
     round_order,
     select_phases,
     sweep_phases,
-    typical_round,
     with_aa_copy,
 )
+from bench.transition_report import combine, paired_ratios, plot, report, typical_round
 
 
 def _round(throughput: float, low: float, errors: int, switches: int) -> dict:
