@@ -9,7 +9,7 @@ from typing import Any
 from bench.cluster.fleet import CLUSTER, LOCAL, MODES, ORACLE, PRESET, STATIC, mixed_tokens_per_s
 from bench.cluster.runs import CAPACITY_RESOLUTION
 from bench.policy_replay import CANDIDATES
-from bench.report import print_table
+from bench.report import RatioInterval, print_table
 from policies.goodput import GoodputConfig
 from replicas.engines.sim_presets import PRESETS, SimPreset
 
@@ -94,12 +94,18 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
         def summary(values: list[float]) -> str:
             return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
+        def mean_interval(values: list[float]) -> str:
+            return str(RatioInterval.of(values) or "n/a")
+
         parts.append(print_table(
-            "THE SAME ACROSS BURST PATTERNS (seeds; median, min-max)",
+            "THE SAME ACROSS BURST PATTERNS (seeds; median, min-max; and the geometric mean "
+            "over the patterns with its 95% interval)",
             ["replicas", "s of arrivals", "seeds", "cluster / best local",
+             "the same, geometric mean [95% interval]",
              "cluster / best static", "ema switches / cluster's", "the same, steady window",
              "oracle K / best local"],
             [[n, f"{duration:.0f}", len(vs), summary([v["cluster_vs_best_local"] for v in vs]),
+              mean_interval([v["cluster_vs_best_local"] for v in vs]),
               summary([v["cluster_vs_best_static"] for v in vs]),
               summary([v["ema_switches_vs_cluster"] for v in vs]),
               summary([v["ema_steady_switches_vs_cluster"] for v in vs]),
