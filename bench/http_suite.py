@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +23,9 @@ from pathlib import Path
 import httpx
 import psutil
 import yaml
+
+from bench.foreign_cpu import ForeignCpu, ForeignCpuReport
+from bench.transition_report import report
 
 RESULTS = Path("bench/results")
 # The issue's modes plus static0, speculation off: the baseline a user weighs speculation
@@ -159,12 +163,29 @@ def main() -> None:
     with serving(args.config, args.url, args.startup_timeout) as env:
         for workload in args.workloads.split(","):
             stem = RESULTS / ("transition_http" if workload == "transition" else "sweep_http")
-            subprocess.run(
-                [sys.executable, "-m", "bench.transition", "--url", args.url, "--workload",
-                 workload, *WORKLOADS[workload], "--warmup", "8", "--max-tokens", "256",
-                 "--modes", MODES, "--aa-control", AA_CONTROL,
-                 "--json", str(stem.with_suffix(".json")), "--plot", str(stem.with_suffix(".png")),
-                 "--markdown", str(stem.with_suffix(".md"))], env=env, check=True)
+            with ForeignCpu() as foreign:
+                subprocess.run(
+                    [sys.executable, "-m", "bench.transition", "--url", args.url, "--workload",
+                     workload, *WORKLOADS[workload], "--warmup", "8", "--max-tokens", "256",
+                     "--modes", MODES, "--aa-control", AA_CONTROL,
+                     "--json", str(stem.with_suffix(".json")),
+                     "--plot", str(stem.with_suffix(".png")),
+                     "--markdown", str(stem.with_suffix(".md"))], env=env, check=True)
+            record_foreign_cpu(stem, foreign.report())
+
+
+def record_foreign_cpu(stem: Path, foreign: ForeignCpuReport) -> None:
+    """The CPU other processes took during a workload's run, into its JSON and report: the
+    suite started the app, so every process outside its tree is someone else's."""
+    print(foreign, file=sys.stderr)
+    if foreign.shared:
+        print(f"WARNING: {stem.name} shared the machine; its ratios measure that too",
+              file=sys.stderr)
+    path = stem.with_suffix(".json")
+    results = json.loads(path.read_text())
+    results["foreign_cpu"] = foreign.as_dict()
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(report(results) + "\n")
 
 
 if __name__ == "__main__":

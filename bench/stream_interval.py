@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import yaml
 
+from bench.foreign_cpu import ForeignCpu, ForeignCpuReport
 from bench.http_suite import serving
 from bench.report import print_table
 from bench.workloads import HIGH, LOW
@@ -143,6 +144,13 @@ def report(results: dict[str, Any]) -> str:
     if ratios:
         tables.append(print_table("RATIOS", ["intervals", "concurrency",
                                              *(title for _, title, _ in COLUMNS)], ratios))
+    if foreign := results.get("foreign_cpu"):
+        machine = {name: ForeignCpuReport.from_dict(data) for name, data in foreign.items()}
+        tables.append(print_table(
+            "OTHER PROCESSES (CPU taken by processes outside the benchmark while each "
+            "interval's app ran)", ["interval", "core-seconds", "share of one core", "shared"],
+            [[f"{name} ms", f"{m.core_seconds:.1f}", f"{m.share_of_a_core:.1%}",
+              "YES" if m.shared else "no"] for name, m in machine.items()]))
     return "\n\n".join(tables)
 
 
@@ -187,8 +195,13 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=RESULTS / "stream_interval.png")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    results = {"rounds": args.rounds, "max_tokens": args.max_tokens, "intervals": {
-        name: measure(args, float(name)) for name in args.intervals.split(",")}}
+    results: dict[str, Any] = {"rounds": args.rounds, "max_tokens": args.max_tokens,
+                               "intervals": {}, "foreign_cpu": {}}
+    for name in args.intervals.split(","):
+        # The CPU column is the whole machine's: another process's share would count in it.
+        with ForeignCpu() as foreign:
+            results["intervals"][name] = measure(args, float(name))
+        results["foreign_cpu"][name] = foreign.report().as_dict()
     text = report(results)
     print(text)
     args.json.write_text(json.dumps(results, indent=1))

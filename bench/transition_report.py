@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from bench.foreign_cpu import ForeignCpuReport
 from bench.report import (
     RatioInterval,
     compare_to_statics,
@@ -53,6 +54,9 @@ def report(results: dict[str, Any]) -> str:
     if stopped := results.get("stopped_early"):
         lines.append(f"STOPPED EARLY: {rounds} of {stopped['rounds_asked']} rounds finished "
                      f"for every mode ({stopped['error']})")
+    if "foreign_cpu" in results:  # `bench.http_suite` records it
+        machine = ForeignCpuReport.from_dict(results["foreign_cpu"])
+        lines.append(f"{'MACHINE SHARED' if machine.shared else 'MACHINE'}: {machine}")
     lines += [print_table(
         f"SUMMARY{f' (median of {rounds} rounds; errors summed)' if rounds > 1 else ''}",
         ["mode", "tok/s", "avg latency s", "accept len", "switches", "errors"],
