@@ -5,6 +5,8 @@ back, so a slow spell of the machine cancels out of a round's ratio."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import statistics
 from pathlib import Path
@@ -283,3 +285,47 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax_tp.legend(fontsize=7, ncol=len(modes))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' results (`--json` files of the same workload and modes) as one run of
+    all their rounds: more rounds narrow the intervals that one run leaves unresolved. Each
+    round keeps its pairing (its modes ran back to back); the tier timelines are not
+    pooled. The modes are those every run has, in the first run's order."""
+    names = [m for m in runs[0]["modes"] if all(m in run["modes"] for run in runs)]
+    if any(run["phases"] != runs[0]["phases"] for run in runs):
+        raise ValueError("the runs do not share their phases: not one workload")
+
+    def rounds_of(mode: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{**r, "timeline": [], "started_s": None} for r in mode["rounds"]]
+
+    pooled: dict[str, Any] = {
+        "phases": runs[0]["phases"], "rounds": sum(run["rounds"] for run in runs),
+        "modes": {m: combine([r for run in runs for r in rounds_of(run["modes"][m])])
+                  for m in names}}
+    controls = [run["aa_control"] for run in runs if "aa_control" in run]
+    if len(controls) == len(runs) and len({c["mode"] for c in controls}) == 1:
+        pooled["aa_control"] = {"mode": controls[0]["mode"], "again": combine(
+            [r for c in controls for r in rounds_of(c["again"])])}
+    return pooled
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description="Re-render HTTP benchmark results, one run or several pooled")
+    parser.add_argument("json", type=Path, nargs="+",
+                        help="`bench.transition --json` files; several are pooled (`pool`)")
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args()
+    runs = [json.loads(path.read_text()) for path in args.json]
+    text = report(runs[0] if len(runs) == 1 else pool(runs))
+    if len(runs) > 1:
+        text = (f"POOLED: {len(runs)} runs ({', '.join(p.name for p in args.json)})\n\n"
+                + text)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import statistics
 import subprocess
@@ -29,7 +30,14 @@ from bench.transition import (
     sweep_phases,
     with_aa_copy,
 )
-from bench.transition_report import combine, paired_ratios, plot, report, typical_round
+from bench.transition_report import (
+    combine,
+    paired_ratios,
+    plot,
+    pool,
+    report,
+    typical_round,
+)
 
 
 def _round(throughput: float, low: float, errors: int, switches: int) -> dict:
@@ -332,3 +340,21 @@ def test_the_bars_are_judged_with_their_interval_against_the_best_static_by_medi
     assert cells[1].endswith("above"), "ahead by 9-11% in every round"
     assert cells[2].endswith("below"), "low_1 at 0.74-0.76 of static1 against a bar of 0.9"
     assert cells[3] == "1.000 [1.000-1.000] above"
+
+
+def test_runs_pool_into_one_run_of_all_their_rounds() -> None:
+    """Two runs of two rounds each, as their JSON keeps them: pooled, the report's intervals
+    are over the four rounds, each still paired within its own round."""
+    def run(goodput: list[float], static: list[float]) -> dict:
+        modes = {"static1": combine([_round(t, 200, 0, 0) for t in static]),
+                 "goodput": combine([_round(t, 200, 0, 3) for t in goodput])}
+        return json.loads(json.dumps({"modes": modes, "phases": ["low_1", "high_1"],
+                                      "rounds": 2}))  # through JSON, as read back
+
+    first, second = run([440, 220], [400, 200]), run([330, 660], [300, 600])
+    pooled = pool([first, second])
+    assert pooled["rounds"] == 4
+    assert paired_ratios(pooled["modes"], ["static1"], "goodput") == pytest.approx([1.1] * 4)
+    assert "| goodput | static1 | +10.0% | 1.100 [1.100-1.100] | better |" in report(pooled)
+    with pytest.raises(ValueError, match="phases"):
+        pool([first, {**second, "phases": ["c1"]}])
