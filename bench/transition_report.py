@@ -288,26 +288,55 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several runs' results (`--json` files of the same workload and modes) as one run of
-    all their rounds: more rounds narrow the intervals that one run leaves unresolved. Each
-    round keeps its pairing (its modes ran back to back); the tier timelines are not
-    pooled. The modes are those every run has, in the first run's order."""
-    names = [m for m in runs[0]["modes"] if all(m in run["modes"] for run in runs)]
-    if any(run["phases"] != runs[0]["phases"] for run in runs):
-        raise ValueError("the runs do not share their phases: not one workload")
+    """Several runs' results (`--json` files) as one run of all their rounds: more rounds
+    narrow the intervals that one run leaves unresolved. Each round keeps its pairing (its
+    modes ran back to back); the tier timelines are not pooled. Runs of different workloads,
+    phases, token budgets or policy configs are refused. The modes are those every run has
+    (the others are named under "pooled"), and the A/A control only if every run had it.
+    The interval then treats every round alike, though rounds of one app start may share a
+    level: the report names each run's own ratio beside it (see `main`)."""
+    first = runs[0]
+    for key in ("workload", "phases", "max_tokens"):
+        if any(run.get(key) != first.get(key) for run in runs):
+            raise ValueError(f"the runs differ in {key}: not one benchmark")
+    names = [m for m in first["modes"] if all(m in run["modes"] for run in runs)]
+    for mode in names:
+        configs = {json.dumps(run.get("policies", {}).get(mode), sort_keys=True) for run in runs}
+        if len(configs) > 1:
+            raise ValueError(f"the runs ran {mode} with different policy configs")
 
     def rounds_of(mode: dict[str, Any]) -> list[dict[str, Any]]:
         return [{**r, "timeline": [], "started_s": None} for r in mode["rounds"]]
 
+    left_out = sorted({m for run in runs for m in run["modes"]} - set(names))
     pooled: dict[str, Any] = {
-        "phases": runs[0]["phases"], "rounds": sum(run["rounds"] for run in runs),
+        "workload": first.get("workload"), "phases": first["phases"],
+        "rounds": sum(run["rounds"] for run in runs),
         "modes": {m: combine([r for run in runs for r in rounds_of(run["modes"][m])])
-                  for m in names}}
+                  for m in names},
+        "pooled": {"runs": len(runs), "modes_left_out": left_out,
+                   "aa_control_left_out": False}}
     controls = [run["aa_control"] for run in runs if "aa_control" in run]
     if len(controls) == len(runs) and len({c["mode"] for c in controls}) == 1:
         pooled["aa_control"] = {"mode": controls[0]["mode"], "again": combine(
             [r for c in controls for r in rounds_of(c["again"])])}
+    elif controls:
+        pooled["pooled"]["aa_control_left_out"] = True
     return pooled
+
+
+def run_ratios(runs: list[dict[str, Any]], mode: str) -> list[str]:
+    """Each run's own overall ratio of `mode` to its best static by medians, as
+    "0.948x (static7)": how far apart the pooled runs landed."""
+    ratios = []
+    for run in runs:
+        modes = run["modes"]
+        statics = [m for m in modes if is_static(m)]
+        if mode not in modes or not statics:
+            continue
+        best = max(statics, key=lambda s: modes[s]["throughput"])
+        ratios.append(f"{ratio(modes[mode]['throughput'], modes[best]['throughput'])}x ({best})")
+    return ratios
 
 
 def main() -> None:
@@ -318,10 +347,22 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
     runs = [json.loads(path.read_text()) for path in args.json]
-    text = report(runs[0] if len(runs) == 1 else pool(runs))
-    if len(runs) > 1:
-        text = (f"POOLED: {len(runs)} runs ({', '.join(p.name for p in args.json)})\n\n"
-                + text)
+    if len(runs) == 1:
+        text = report(runs[0])
+    else:
+        pooled = pool(runs)
+        notes = [f"POOLED: {len(runs)} runs ({', '.join(p.name for p in args.json)})"]
+        notes += [f"each run alone, {mode} / its best static: {', '.join(run_ratios(runs, mode))}"
+                  for mode in pooled["modes"] if not is_static(mode)]
+        if left_out := pooled["pooled"]["modes_left_out"]:
+            notes.append(f"left out (not in every run): {', '.join(left_out)}")
+        if pooled["pooled"]["aa_control_left_out"]:
+            notes.append("A/A control left out (not in every run)")
+        unmeasured = [p.name for p, run in zip(args.json, runs, strict=True)
+                      if "foreign_cpu" not in run]
+        if unmeasured:
+            notes.append("other processes' CPU not measured in: " + ", ".join(unmeasured))
+        text = "\n".join(notes) + "\n\n" + report(pooled)
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")

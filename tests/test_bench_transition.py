@@ -343,18 +343,41 @@ def test_the_bars_are_judged_with_their_interval_against_the_best_static_by_medi
 
 
 def test_runs_pool_into_one_run_of_all_their_rounds() -> None:
-    """Two runs of two rounds each, as their JSON keeps them: pooled, the report's intervals
-    are over the four rounds, each still paired within its own round."""
-    def run(goodput: list[float], static: list[float]) -> dict:
+    """Two runs, as their JSON keeps them: pooled, the report's intervals are over all their
+    rounds, each still paired within its own round; the A/A control pools only when every
+    run had one, and runs of another benchmark are refused."""
+    def run(goodput: list[float], static: list[float], again: list[float] | None = None
+            ) -> dict:
         modes = {"static1": combine([_round(t, 200, 0, 0) for t in static]),
                  "goodput": combine([_round(t, 200, 0, 3) for t in goodput])}
-        return json.loads(json.dumps({"modes": modes, "phases": ["low_1", "high_1"],
-                                      "rounds": 2}))  # through JSON, as read back
+        results = {"workload": "transition", "max_tokens": 256, "modes": modes,
+                   "phases": ["low_1", "high_1"], "rounds": len(goodput),
+                   "policies": {"goodput": {"name": "goodput"}}}
+        if again:
+            results["aa_control"] = {"mode": "goodput", "again": combine(
+                [_round(t, 200, 0, 3) for t in again])}
+        return json.loads(json.dumps(results))  # through JSON, as read back
 
-    first, second = run([440, 220], [400, 200]), run([330, 660], [300, 600])
+    first = run([440, 210], [400, 200], again=[400, 200])
+    second = run([330, 690, 300], [300, 600, 300], again=[300, 600, 330])
     pooled = pool([first, second])
-    assert pooled["rounds"] == 4
-    assert paired_ratios(pooled["modes"], ["static1"], "goodput") == pytest.approx([1.1] * 4)
-    assert "| goodput | static1 | +10.0% | 1.100 [1.100-1.100] | better |" in report(pooled)
+    ratios = [1.1, 1.05, 1.1, 1.15, 1.0]
+    assert pooled["rounds"] == 5
+    assert paired_ratios(pooled["modes"], ["static1"], "goodput") == pytest.approx(ratios)
+    interval = RatioInterval.of(ratios)
+    row = next(line for line in report(pooled).splitlines()
+               if line.startswith("| goodput | static1 |"))
+    assert f"| {interval} | better |" in row, "five rounds, every one ahead"
+    assert paired_ratios({"a": pooled["modes"]["goodput"], "b": pooled["aa_control"]["again"]},
+                         ["a"], "b") == pytest.approx([400 / 440, 200 / 210, 300 / 330, 600 / 690,
+                                                       1.1])
+    without_control = pool([first, run([330], [300])])
+    assert "aa_control" not in without_control
+    assert without_control["pooled"]["aa_control_left_out"]
     with pytest.raises(ValueError, match="phases"):
         pool([first, {**second, "phases": ["c1"]}])
+    with pytest.raises(ValueError, match="workload"):
+        pool([first, {**second, "workload": "sweep"}])
+    with pytest.raises(ValueError, match="policy configs"):
+        pool([first, {**second, "policies": {"goodput": {"name": "goodput",
+                                                         "switch_margin": 0.15}}}])

@@ -15,16 +15,19 @@ from bench.stream_interval import report as stream_report
 from bench.transition_report import combine
 from tests.test_bench_transition import _round
 
-# Burns `seconds` of its own CPU, then touches `done` and idles until killed (a process that
-# ended between two samples would lose its last interval).
+# Waits for `go`, burns `seconds` of its own CPU, touches `done` and idles until killed (a
+# process that ended between two samples would lose its last interval).
 BURNER = """
 import sys, time
 from pathlib import Path
-seconds, done = float(sys.argv[1]), Path(sys.argv[2])
-while time.process_time() < seconds:
+seconds, go, done = float(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+while not go.exists():
+    time.sleep(0.01)
+start = time.process_time()
+while time.process_time() - start < seconds:
     pass
 done.touch()
-time.sleep(30)
+time.sleep(60)
 """
 
 
@@ -35,30 +38,50 @@ def _wait_for(path: Path, timeout_s: float = 20) -> None:
         time.sleep(0.05)
 
 
-def test_a_process_outside_the_tree_is_counted_and_a_child_is_not(tmp_path: Path) -> None:
-    orphan_done, child_done, orphan_pid = tmp_path / "orphan", tmp_path / "child", tmp_path / "pid"
-    with ForeignCpu(period_s=0.2) as foreign:
-        # The shell starts the burner in the background and exits: the burner is reparented
-        # away from this process's tree, as an unrelated process on the machine is.
-        subprocess.run(["sh", "-c", f'{sys.executable} -c "$0" 1.0 {orphan_done} & '
-                        f'echo $! > {orphan_pid}', BURNER], check=True)
-        child = subprocess.Popen([sys.executable, "-c", BURNER, "1.0", str(child_done)])
-        try:
-            _wait_for(orphan_done)
-            _wait_for(child_done)
-            time.sleep(0.5)  # a sample after both finished burning
-        finally:
-            child.kill()
-            subprocess.run(["kill", orphan_pid.read_text().strip()], check=False)
-    report = foreign.report()
-    # The orphan's second of CPU (its start-up included), not the child's: with the child
-    # counted it would be two.
-    assert 0.9 <= report.core_seconds < 1.8, report
-    assert report.shared and "python" in " ".join(report.by_name).lower()
+def _orphan(tmp_path: Path, name: str, linger_s: float = 0) -> int:
+    """A burner whose parent shell exits (after `linger_s`), so it leaves this process's
+    tree as an unrelated process on the machine is outside it; its pid."""
+    pid_file = tmp_path / f"{name}.pid"
+    subprocess.Popen(["sh", "-c", f'{sys.executable} -c "$0" 1.0 {tmp_path / name}.go '
+                      f'{tmp_path / name}.done & echo $! > {pid_file}; sleep {linger_s}',
+                      BURNER])
+    _wait_for(pid_file)
+    return int(pid_file.read_text())
+
+
+def test_a_process_outside_the_tree_is_counted_and_the_benchmarks_own_are_not(tmp_path: Path
+                                                                              ) -> None:
+    """An unrelated process (outside this tree before the count starts) is counted; a child
+    is not, and neither is a process that was the benchmark's when first seen and was then
+    reparented away (an app's engine core that outlives its replica)."""
+    foreign_pid = _orphan(tmp_path, "foreign")
+    time.sleep(0.3)  # its shell has exited: it is outside the tree from the first sample on
+    child = subprocess.Popen([sys.executable, "-c", BURNER, "1.0", str(tmp_path / "child.go"),
+                              str(tmp_path / "child.done")])
+    pids = [foreign_pid]
+    try:
+        with ForeignCpu(period_s=0.1) as foreign:
+            reparented_pid = _orphan(tmp_path, "reparented", linger_s=0.5)
+            pids.append(reparented_pid)
+            time.sleep(1.0)  # sampled while its shell lived, then left the tree
+            for name in ("foreign", "child", "reparented"):
+                (tmp_path / f"{name}.go").touch()
+            for name in ("foreign", "child", "reparented"):
+                _wait_for(tmp_path / f"{name}.done")
+            time.sleep(0.3)  # a sample after all three finished burning
+    finally:
+        child.kill()
+        for pid in pids:
+            subprocess.run(["kill", str(pid)], check=False)
+    assert 0.9 <= foreign.by_pid[foreign_pid] < 1.5, foreign.by_pid
+    assert child.pid not in foreign.by_pid and reparented_pid not in foreign.by_pid
+    assert foreign.report().core_seconds >= foreign.by_pid[foreign_pid]
 
 
 def test_the_report_names_its_share_and_the_largest_users() -> None:
     report = ForeignCpuReport(core_seconds=3.0, wall_s=60.0, by_name={"python": 2.5, "sh": 0.5})
+    assert "samples failed" not in str(report)
+    assert str(ForeignCpuReport(1.0, 60.0, {}, failed_samples=2)).endswith("; 2 samples failed")
     assert report.share_of_a_core == 0.05 and not report.shared, "5% is the threshold"
     assert str(report) == ("processes outside the benchmark used 3.0 core-seconds in 60 s "
                            "(5.0% of one core): python 2.5 s, sh 0.5 s")
