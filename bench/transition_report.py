@@ -146,7 +146,7 @@ def ceiling_table(modes: dict[str, Any], statics: list[str], adaptive: list[str]
     without the moves between them). Each phase counts with that static's tokens and time."""
     tokens = seconds = 0.0
     for phase in phase_names:
-        best = max(statics, key=lambda s: modes[s]["phases"][phase])
+        best = best_static(modes, statics, phase)
         if not modes[best]["phases"][phase]:  # no static made a token here: no ceiling
             tokens, seconds = 0.0, 0.0
             break
@@ -163,16 +163,24 @@ def ceiling_table(modes: dict[str, Any], statics: list[str], adaptive: list[str]
             ratio(modes[m]["throughput"], ceiling)] for m in adaptive)])
 
 
+def throughput_of(run: dict[str, Any], phase: str | None = None) -> float:
+    """A mode's (or one round's) tok/s, overall or in `phase`."""
+    return run["throughput"] if phase is None else run["phases"][phase]
+
+
+def best_static(modes: dict[str, Any], statics: list[str], phase: str | None = None) -> str:
+    """The static mode with the most tok/s by medians, overall or in `phase`."""
+    return max(statics, key=lambda static: throughput_of(modes[static], phase))
+
+
 def paired_ratios(modes: dict[str, Any], against: list[str], mode: str,
                   phase: str | None = None) -> list[float]:
     """Per round, `mode` over the best of `against` in the same round (overall, or in
     `phase`). The modes of a round run back to back, so a slow spell of the machine that
     lowers a whole round cancels out, which it does not between medians taken over the
     rounds. A round where none of `against` made a token has no ratio."""
-    def of(run: dict[str, Any]) -> float:
-        return run["throughput"] if phase is None else run["phases"][phase]
-
-    pairs = [(of(run), max(of(modes[other]["rounds"][i]) for other in against))
+    pairs = [(throughput_of(run, phase),
+              max(throughput_of(modes[other]["rounds"][i], phase) for other in against))
              for i, run in enumerate(modes[mode]["rounds"])]
     return [value / base for value, base in pairs if base]
 
@@ -206,11 +214,8 @@ def interval_table(modes: dict[str, Any], statics: list[str], adaptive: list[str
     it. Against one static throughout, not each round's best, which a slow spell of one
     static's turn would lower in that round only."""
     def cell(mode: str, phase: str | None, bar: float) -> str:
-        def of(static: str) -> float:
-            run = modes[static]
-            return run["throughput"] if phase is None else run["phases"][phase]
-
-        interval = RatioInterval.of(paired_ratios(modes, [max(statics, key=of)], mode, phase))
+        interval = RatioInterval.of(paired_ratios(
+            modes, [best_static(modes, statics, phase)], mode, phase))
         return f"{interval} {interval.against(bar)}" if interval else "n/a"
 
     return print_table(
@@ -334,7 +339,7 @@ def run_ratios(runs: list[dict[str, Any]], mode: str) -> list[str]:
         statics = [m for m in modes if is_static(m)]
         if mode not in modes or not statics:
             continue
-        best = max(statics, key=lambda s: modes[s]["throughput"])
+        best = best_static(modes, statics)
         ratios.append(f"{ratio(modes[mode]['throughput'], modes[best]['throughput'])}x ({best})")
     return ratios
 
