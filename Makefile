@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-$(if $(HAS_CUDA),gpu,cpu)
 export RAY_AUTH_MODE ?= disabled
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: install serve test lint bench bench-replay bench-cluster bench-engine bench-http bench-stream models clean
+.PHONY: install serve test lint bench bench-replay bench-cluster bench-engine bench-http bench-http-draft bench-stream models clean
 
 install: $(STAMP)
 
@@ -43,7 +43,7 @@ lint: install
 # simulator replays and the cluster simulation (minutes), the vLLM engine benchmark (minutes),
 # and the HTTP benchmarks against `serve run serve_config.yaml`, started and stopped here
 # (about 52 minutes on 2 cores, the streaming one included).
-bench: bench-replay bench-cluster bench-engine bench-http bench-stream
+bench: bench-replay bench-cluster bench-engine bench-http bench-http-draft bench-stream
 	$(BIN)/python -m bench.readme_tables
 
 bench-replay: install
@@ -61,6 +61,10 @@ bench-engine: install
 
 bench-http: install
 	$(BIN)/python -m bench.http_suite
+
+# The same suite on the draft-model drafter, where every tier has its price.
+bench-http-draft: install
+	$(BIN)/python -m bench.http_suite --config configs/cpu-draft-model.yaml --name draft_model
 
 bench-stream: install
 	$(BIN)/python -m bench.stream_interval

@@ -1,10 +1,12 @@
 """The HTTP benchmarks end to end: start the app, run the transition and sweep workloads, stop.
 
     python -m bench.http_suite                      # serve_config.yaml on 127.0.0.1:8000
+    python -m bench.http_suite --config configs/cpu-draft-model.yaml --name draft_model
 
 Starts `serve run serve_config.yaml`, waits until every engine replica answers, runs
 `bench.transition` with the issue's settings for both workloads (results in `bench/results/`:
-transition_http.* and sweep_http.*), then stops the app. Loopback only; every wait is bounded.
+transition_http.* and sweep_http.*; with `--name N`, transition_http_N.* and sweep_http_N.*),
+then stops the app. Loopback only; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,6 +54,13 @@ WORKLOADS = {
     "transition": ["--requests", "16", "--concurrency", "8", "--rounds", "6"],
     "sweep": ["--requests", "16", "--rounds", "6"],
 }
+
+
+def result_name(name: str) -> str:
+    """`--name`: a file-name suffix, so nothing outside bench/results/ is written."""
+    if not re.fullmatch(r"[A-Za-z0-9_\-]+", name):
+        raise argparse.ArgumentTypeError(f"{name!r}: use letters, digits, '_' or '-'")
+    return name
 
 
 def expected_replicas(config: Path) -> int:
@@ -159,10 +169,12 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--workloads", default="transition,sweep")
     parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--name", default=None, type=result_name,
+                        help="suffix of the result files, for a config other than the default")
     args = parser.parse_args()
     with serving(args.config, args.url, args.startup_timeout) as env:
         for workload in args.workloads.split(","):
-            stem = RESULTS / ("transition_http" if workload == "transition" else "sweep_http")
+            stem = result_stem(workload, args.name)
             with ForeignCpu() as foreign:
                 subprocess.run(
                     [sys.executable, "-m", "bench.transition", "--url", args.url, "--workload",
@@ -172,6 +184,13 @@ def main() -> None:
                      "--plot", str(stem.with_suffix(".png")),
                      "--markdown", str(stem.with_suffix(".md"))], env=env, check=True)
             record_foreign_cpu(stem, foreign.report())
+
+
+def result_stem(workload: str, name: str | None = None) -> Path:
+    """Where a workload's results go, without the suffix: the default config's files keep
+    the plain names the README reads, another config's carry its `name`."""
+    stem = "transition_http" if workload == "transition" else "sweep_http"
+    return RESULTS / (f"{stem}_{name}" if name else stem)
 
 
 def record_foreign_cpu(stem: Path, foreign: ForeignCpuReport) -> None:

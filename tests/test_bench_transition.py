@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from bench.http_suite import end_leftovers
+from bench.http_suite import end_leftovers, result_name, result_stem
 from bench.report import RatioInterval
 from bench.transition import (
     again,
@@ -200,6 +200,17 @@ def test_the_suite_ends_processes_the_app_left_running() -> None:
     ended = end_leftovers(processes, grace_s=1)
     assert ended == [f"{sys.executable} (pid {stubborn.pid})"]
     assert stubborn.wait(timeout=5) == -9
+
+
+def test_another_configs_suite_writes_beside_the_defaults_results() -> None:
+    """The default config keeps the names the README reads; a named one gets its own files,
+    and a name that is not a plain suffix is refused before anything runs."""
+    assert result_stem("transition").name == "transition_http"
+    assert result_stem("sweep", "draft_model").name == "sweep_http_draft_model"
+    assert result_stem("sweep", "draft_model").parent == result_stem("sweep").parent
+    for bad in ("../x", "a/b", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            result_name(bad)
 
 
 def test_the_aa_copy_runs_half_a_round_from_its_twin_in_every_round() -> None:
