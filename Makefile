@@ -41,8 +41,9 @@ lint: install
 
 # Every benchmark, then the README's result tables regenerated from bench/results/:
 # simulator replays and the cluster simulation (minutes), the vLLM engine benchmark (minutes),
-# and the HTTP benchmarks against `serve run serve_config.yaml`, started and stopped here
-# (about 52 minutes on 2 cores, the streaming one included).
+# and the HTTP benchmarks against `serve run serve_config.yaml` and the draft-model config,
+# each started and stopped here (about 52 minutes on 2 cores for the default's with the streaming
+# one, and about 80 more for the draft model's: its sweep rounds take about 9.5 minutes).
 bench: bench-replay bench-cluster bench-engine bench-http bench-http-draft bench-stream
 	$(BIN)/python -m bench.readme_tables
 

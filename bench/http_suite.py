@@ -169,6 +169,8 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--workloads", default="transition,sweep")
     parser.add_argument("--startup-timeout", type=float, default=600)
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds per workload (default: 6, the committed results' count)")
     parser.add_argument("--name", default=None, type=result_name,
                         help="suffix of the result files, for a config other than the default")
     args = parser.parse_args()
@@ -176,14 +178,21 @@ def main() -> None:
         for workload in args.workloads.split(","):
             stem = result_stem(workload, args.name)
             with ForeignCpu() as foreign:
-                subprocess.run(
-                    [sys.executable, "-m", "bench.transition", "--url", args.url, "--workload",
-                     workload, *WORKLOADS[workload], "--warmup", "8", "--max-tokens", "256",
-                     "--modes", MODES, "--aa-control", AA_CONTROL,
-                     "--json", str(stem.with_suffix(".json")),
-                     "--plot", str(stem.with_suffix(".png")),
-                     "--markdown", str(stem.with_suffix(".md"))], env=env, check=True)
+                subprocess.run(transition_command(args.url, workload, stem, args.rounds),
+                               env=env, check=True)
             record_foreign_cpu(stem, foreign.report())
+
+
+def transition_command(url: str, workload: str, stem: Path, rounds: int | None = None
+                       ) -> list[str]:
+    """The `bench.transition` run of one workload with the issue's settings, results at
+    `stem`; `rounds` overrides the workload's six."""
+    return [sys.executable, "-m", "bench.transition", "--url", url, "--workload", workload,
+            *WORKLOADS[workload], "--warmup", "8", "--max-tokens", "256",
+            *(["--rounds", str(rounds)] if rounds else []),
+            "--modes", MODES, "--aa-control", AA_CONTROL,
+            "--json", str(stem.with_suffix(".json")), "--plot", str(stem.with_suffix(".png")),
+            "--markdown", str(stem.with_suffix(".md"))]
 
 
 def result_stem(workload: str, name: str | None = None) -> Path:

@@ -359,7 +359,7 @@ def round_order(modes: list[str], round_: int) -> list[str]:
     return order[::-1] if round_ % 2 else order
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
@@ -387,6 +387,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     try:
         args.defined = defined_modes(args.define, args.modes)

@@ -16,11 +16,12 @@ import httpx
 import psutil
 import pytest
 
-from bench.http_suite import end_leftovers, result_name, result_stem
+from bench.http_suite import end_leftovers, result_name, result_stem, transition_command
 from bench.report import RatioInterval
 from bench.transition import (
     again,
     bench,
+    build_parser,
     check_modes,
     defined_mode,
     defined_modes,
@@ -211,6 +212,19 @@ def test_another_configs_suite_writes_beside_the_defaults_results() -> None:
     for bad in ("../x", "a/b", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             result_name(bad)
+
+
+def test_the_suite_runs_each_workload_with_the_issues_settings_and_a_rounds_override() -> None:
+    """The transition module's own parser reads the suite's command: an override of the
+    rounds reaches the run (the last `--rounds` wins) and the default stays six."""
+    stem = result_stem("sweep", "draft_model")
+    for rounds, expected in ((None, 6), (4, 4)):
+        command = transition_command("http://127.0.0.1:8000", "sweep", stem, rounds)
+        assert command[1:3] == ["-m", "bench.transition"]
+        parsed = build_parser().parse_args(command[3:])
+        assert (parsed.rounds, parsed.workload, parsed.requests) == (expected, "sweep", 16)
+        assert parsed.json == stem.with_suffix(".json")
+        assert parsed.aa_control == "goodput" and "static0" in parsed.modes
 
 
 def test_the_aa_copy_runs_half_a_round_from_its_twin_in_every_round() -> None:
