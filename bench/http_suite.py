@@ -51,9 +51,10 @@ WORKLOADS = {
     # counterbalanced order (`transition.round_order`): the transition takes about 2 minutes
     # a round, the sweep about 4.5 (with three, the sweep's per-round ratios spread
     # 0.98-1.02x around a verdict line at 1.0, and one round moved the median).
-    "transition": ["--requests", "16", "--concurrency", "8", "--rounds", "6"],
-    "sweep": ["--requests", "16", "--rounds", "6"],
+    "transition": ["--requests", "16", "--concurrency", "8"],
+    "sweep": ["--requests", "16"],
 }
+ROUNDS = 6
 
 
 def result_name(name: str) -> str:
@@ -169,8 +170,8 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--workloads", default="transition,sweep")
     parser.add_argument("--startup-timeout", type=float, default=600)
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds per workload (default: 6, the committed results' count)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help="rounds per workload (default: the committed results' count)")
     parser.add_argument("--name", default=None, type=result_name,
                         help="suffix of the result files, for a config other than the default")
     args = parser.parse_args()
@@ -183,13 +184,13 @@ def main() -> None:
             record_foreign_cpu(stem, foreign.report())
 
 
-def transition_command(url: str, workload: str, stem: Path, rounds: int | None = None
+def transition_command(url: str, workload: str, stem: Path, rounds: int = ROUNDS
                        ) -> list[str]:
     """The `bench.transition` run of one workload with the issue's settings, results at
-    `stem`; `rounds` overrides the workload's six."""
+    `stem`."""
     return [sys.executable, "-m", "bench.transition", "--url", url, "--workload", workload,
-            *WORKLOADS[workload], "--warmup", "8", "--max-tokens", "256",
-            *(["--rounds", str(rounds)] if rounds else []),
+            *WORKLOADS[workload], "--rounds", str(rounds),
+            "--warmup", "8", "--max-tokens", "256",
             "--modes", MODES, "--aa-control", AA_CONTROL,
             "--json", str(stem.with_suffix(".json")), "--plot", str(stem.with_suffix(".png")),
             "--markdown", str(stem.with_suffix(".md"))]

@@ -216,10 +216,10 @@ def test_another_configs_suite_writes_beside_the_defaults_results() -> None:
 
 def test_the_suite_runs_each_workload_with_the_issues_settings_and_a_rounds_override() -> None:
     """The transition module's own parser reads the suite's command: an override of the
-    rounds reaches the run (the last `--rounds` wins) and the default stays six."""
+    rounds reaches the run and the default stays six."""
     stem = result_stem("sweep", "draft_model")
-    for rounds, expected in ((None, 6), (4, 4)):
-        command = transition_command("http://127.0.0.1:8000", "sweep", stem, rounds)
+    for rounds, expected in (((), 6), ((4,), 4)):
+        command = transition_command("http://127.0.0.1:8000", "sweep", stem, *rounds)
         assert command[1:3] == ["-m", "bench.transition"]
         parsed = build_parser().parse_args(command[3:])
         assert (parsed.rounds, parsed.workload, parsed.requests) == (expected, "sweep", 16)
