@@ -313,6 +313,12 @@ class GoodputPolicy:
                   # The share of the current tier's slots the drafter is expected to fill.
                   "draft_fill": self.fill.verified(current) / current if current
                   else self.fill.share}
+        if signals.drafting_sequence_steps:  # what the window just ran gave, beside the estimate
+            inputs["tokens_measured"] = 1 + signals.accepted_tokens / \
+                signals.drafting_sequence_steps
+        if signals.step_costs:
+            inputs["step_ms_measured"] = 1000 * float(np.mean(
+                [cost.seconds for cost in signals.step_costs]))
         if caps_by_k.get(current):  # requests whose drafts are capped below K
             inputs["capped_requests"] = float(len(caps_by_k[current]))
         if signals.class_prior:

@@ -470,6 +470,22 @@ def test_a_request_without_outcomes_weighs_in_a_busy_batch_as_a_request_of_its_c
     assert steady_at_15(with_new, (copy_class,) * 4 + (sampled_class,)) < 0.85 * alone
 
 
+def test_goodput_reports_what_the_window_measured_beside_its_estimates():
+    """A decision's inputs carry the tokens per sequence-step and the step time the window
+    just run gave, beside the estimates for the same tier: a decision log then shows how far
+    the estimate was off. A window at K=0 drafted nothing, so it measures no tokens."""
+    policy = goodput()
+    signals = window(3, 0.5, batch=4)
+    step_costs = (StepCost(4, 3, 0.010), StepCost(4, 3, 0.014))
+    decision = policy.decide(Signals(**{**signals.__dict__, "step_costs": step_costs}))
+    expected_tokens = 1 + signals.accepted_tokens / signals.drafting_sequence_steps
+    assert decision.inputs["tokens_measured"] == pytest.approx(expected_tokens)
+    assert 1.5 < expected_tokens < 2.0  # 0.5 + 0.25 + 0.125 drafts land a step
+    assert decision.inputs["step_ms_measured"] == pytest.approx(12.0)
+    at_zero = policy.decide(window(0, 0.5, batch=4))
+    assert "tokens_measured" not in at_zero.inputs and "step_ms_measured" not in at_zero.inputs
+
+
 def test_goodput_caps_the_failing_requests_drafts_and_goes_deep_for_the_copies():
     """The same mixed batch on an engine that caps drafts per request: the sampled requests
     verify one draft a step (their evidence), the copy requests draft K, and K goes deep,
