@@ -70,6 +70,7 @@ _ACCEPT_LEN_BUCKETS = (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 10
 _FAST_S = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5)
 _TTFT_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+_LAG_STEPS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 _E2E_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 METRICS: tuple[MetricSpec, ...] = (
@@ -102,6 +103,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("specserve_spec_tier_switch_seconds", "histogram",
                "Wall time of one tier switch as seen by the replica.", _R, unit="s",
                buckets=_FAST_S),
+    MetricSpec("specserve_spec_tier_switch_lag_steps", "histogram",
+               "Engine steps run at the old K after the decision to switch (the steps it saw "
+               "excluded), until the first at the new K.", _R, buckets=_LAG_STEPS),
     MetricSpec("specserve_policy_decision_seconds", "histogram",
                "Wall time of one policy decision.", _R, unit="s", buckets=_FAST_S),
     MetricSpec("specserve_generated_tokens_total", "counter",
@@ -245,6 +249,7 @@ class ReplicaMetrics(_Recorder):
         self._acceptance_length = self._histogram("specserve_spec_acceptance_length")
         self._switch_seconds = self._histogram("specserve_spec_tier_switch_seconds")
         self._decision_seconds = self._histogram("specserve_policy_decision_seconds")
+        self._switch_lag_steps = self._histogram("specserve_spec_tier_switch_lag_steps")
         attrs = self._attrs
         self._observe("specserve_engine_steps_total", lambda: [Observation(self._steps, attrs)])
         self._observe("specserve_spec_drafts_total", lambda: [Observation(self._drafts, attrs)])
@@ -308,6 +313,9 @@ class ReplicaMetrics(_Recorder):
             self._switches[key] = self._switches.get(key, 0) + 1
             self._active_k = change.to_k
         self._switch_seconds.record(change.seconds, self._attrs)
+
+    def record_switch_lag_steps(self, steps: int) -> None:
+        self._switch_lag_steps.record(steps, self._attrs)
 
     def record_decision_seconds(self, seconds: float) -> None:
         self._decision_seconds.record(seconds, self._attrs)

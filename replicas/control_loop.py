@@ -89,7 +89,8 @@ class ControlLoop:
     def __init__(self, engine: Engine, pool: TierPool, policy: Policy,
                  decide_every_steps: int = 4,
                  max_batch: int | None = None,
-                 class_prior: Callable[[], ClassPrior] | None = None):
+                 class_prior: Callable[[], ClassPrior] | None = None,
+                 on_switch_lag: Callable[[int], None] | None = None):
         self.engine = engine
         self.pool = pool
         self.policy = policy
@@ -106,6 +107,24 @@ class ControlLoop:
         self._last_step: StepRecord | None = None
         self._classes_decided: set[str] = set()  # measured classes held at the last decision
         self.stats = LoopStats()
+        # How late a switch takes effect: the tier switched to, and the steps the engine ran
+        # at the old one since the decision (reported to `on_switch_lag` once the new K runs).
+        self._switched_to: int | None = None
+        self._stale_steps = 0
+        self.on_switch_lag = on_switch_lag
+
+    def _count_stale_steps(self, steps: list[StepRecord]) -> None:
+        """Steps a switch decided before them ran at the old K: what the engine's reaction
+        time costs (the decision window's own steps are not counted; they ran before it)."""
+        if self._switched_to is None:
+            return
+        for step in steps:
+            if step.k == self._switched_to:
+                if self.on_switch_lag is not None:
+                    self.on_switch_lag(self._stale_steps)
+                self._switched_to = None
+                return
+            self._stale_steps += 1
 
     def replace_policy(self, policy: Policy) -> None:
         self.policy = policy
@@ -122,6 +141,7 @@ class ControlLoop:
         second at each phase start over HTTP. (A class that leaves and comes back between
         two decisions is not new.) Returns (new steps, decision, switch)."""
         steps = self.engine.drain_steps()
+        self._count_stale_steps(steps)
         self._pending.extend(steps)
         if steps:  # the engine's counts for a decision whose window holds no step
             self._last_step = steps[-1]
@@ -151,6 +171,8 @@ class ControlLoop:
         self.stats.max_local_batch = max(self.stats.max_local_batch, signals.local_batch)
         change = await self.pool.switch(decision.k) if decision.k in self.pool.candidates \
             else None
+        if change is not None:
+            self._switched_to, self._stale_steps = change.to_k, 0
         caps = decision.draft_caps or {}  # a policy without caps lifts the previous ones
         # Only requests with outcomes: an engine may not know a request just handed to it
         # (the simulator's queue), and caps it drops would not be sent again. A new

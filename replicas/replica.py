@@ -73,6 +73,7 @@ class EngineReplica:
         self.policy_config = parse_policy_config(policy).model_dump()
         tracing.configure_tracing("specserve-replica")
         self.metrics = ReplicaMetrics(self.replica_id, self.pool.candidates)
+        self.loop.on_switch_lag = self.metrics.record_switch_lag_steps
         self.active_spans = tracing.ActiveSpans()
         self.telemetry_period_s = telemetry_period_s
         self.stream_interval_s = stream_interval_ms / 1000

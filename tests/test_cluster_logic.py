@@ -629,3 +629,41 @@ def test_switches_made_at_once_apply_one_after_the_other():
     pool, engine, changes = asyncio.run(scenario())
     assert [(c.from_k, c.to_k) for c in changes] == [(0, 3), (3, 7), (7, 15)]
     assert pool.active_k == engine.k == 15 and pool.switch_count == 3
+
+
+def test_the_control_loop_reports_how_many_steps_ran_at_the_old_tier_after_a_switch():
+    """An engine that takes up a new K three steps late (its next steps were scheduled): the
+    loop reports 3 once the first step at the new K comes back, and nothing for the steps
+    of the window the decision read, which ran before it."""
+    class LateEngine(SimulatedEngine):
+        def __init__(self) -> None:
+            super().__init__(PRESETS["cpu-demo"], kmax=15)
+            self.pending: tuple[int, int] | None = None  # (new K, steps still at the old)
+
+        async def set_k(self, k: int) -> None:
+            self.pending = (k, 3)
+
+        def step(self) -> float:
+            if self.pending is not None:
+                k, left = self.pending
+                self.pending = None if left == 0 else (k, left - 1)
+                if left == 0:
+                    self.k = k
+            return super().step()
+
+    async def scenario() -> list[int]:
+        engine = LateEngine()
+        pool = TierPool(engine, (0, 7), initial_k=0)
+        await pool.apply_initial()
+        lags: list[int] = []
+        loop = ControlLoop(engine, pool, build_policy({"name": "static", "k": 7}, (0, 7)),
+                           decide_every_steps=2, on_switch_lag=lags.append)
+        engine.submit(GenerationRequest("r", prompt="a", max_tokens=200, temperature=0))
+        engine.admit()
+        for _ in range(12):
+            engine.step()
+            await loop.tick()
+        assert pool.switch_count == 1 and engine.k == 7
+        return lags
+
+    assert asyncio.run(scenario()) == [3]

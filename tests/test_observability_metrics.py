@@ -93,6 +93,7 @@ def test_counters_agree_with_the_steps(replica: ReplicaMetrics) -> None:
 def test_every_replica_series_carries_the_replica_label(replica: ReplicaMetrics) -> None:
     replica.record_steps(STEPS)
     replica.record_switch(TierSwitch(3, 1, 0.001))
+    replica.record_switch_lag_steps(2)
     replica.record_decision_seconds(0.0002)
     replica.set_effective_concurrency(3)
     text = replica.render_prometheus()
