@@ -48,7 +48,7 @@ bench: bench-replay bench-cluster bench-engine bench-http bench-http-draft bench
 	$(BIN)/python -m bench.readme_tables
 
 bench-replay: install
-	for preset in h20-llama8b-ngram cpu-demo; do for workload in transition sweep; do \
+	for preset in h20-llama8b-ngram cpu-demo cpu-demo-draft; do for workload in transition sweep; do \
 		$(BIN)/python -m bench.policy_replay --preset $$preset --workload $$workload || exit 1; \
 	done; done
 

@@ -1,8 +1,11 @@
-"""The simulator replay of the transition workload on the H20 preset (virtual time, ~2 s)."""
+"""The simulator replay of the transition workload on the H20 preset (virtual time, ~2 s), and
+the simulator's acceptance models and presets."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,9 +20,12 @@ from bench.policy_replay import (
     replay,
     summarise,
 )
-from replicas.engines.sim_presets import Acceptance, AcceptanceTable
+from replicas.engines.base import GenerationRequest
+from replicas.engines.sim_engine import SimulatedEngine
+from replicas.engines.sim_presets import PRESETS, Acceptance, AcceptanceTable
 
 PHASES = ["low_1", "high_1", "low_2", "high_2"]
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +79,58 @@ def test_the_oracle_weighs_each_phase_by_its_tokens() -> None:
                        "static3": mode((100, 2.0), (900, 1.0))}, ["a", "b"])
     assert modes["oracle"]["phases"] == {"a": 100.0, "b": 900.0}
     assert modes["oracle"]["throughput"] == pytest.approx(1000 / 2.0)
+
+
+def test_a_run_cut_at_max_run_never_lands_deeper() -> None:
+    """A drafter that agrees with the target for exactly two positions, step after step."""
+    acceptance = Acceptance(0.999, max_run=2)
+    table = AcceptanceTable([acceptance, Acceptance(0.999)])
+    rng = np.random.default_rng(0)
+    cut = table.draw(rng, 7, np.zeros(5000, np.int64))
+    free = table.draw(rng, 7, np.ones(5000, np.int64))
+    assert cut.max() == 2 and (cut == 2).mean() > 0.99
+    assert free.max() == 7
+    assert acceptance.mean_run(7) == pytest.approx(2, rel=0.01)
+    assert acceptance.mean_run(1) == pytest.approx(1, rel=0.01)
+    assert table.draw(rng, 1, np.zeros(100, np.int64)).max() == 1
+
+
+def test_a_classes_request_types_are_dealt_by_seed_else_by_id() -> None:
+    preset = PRESETS["cpu-demo-draft"]
+    types = preset.acceptance["high"]
+
+    def request(seed: int | None, request_id: str = "r") -> GenerationRequest:
+        return GenerationRequest(request_id, prompt="p", max_tokens=8, request_class="high_1",
+                                 seed=seed)
+
+    assert [preset.acceptance_for(request(seed)) for seed in range(16)] == [*types, *types]
+    by_id = {preset.acceptance_for(request(None, f"id{i}")) for i in range(64)}
+    assert by_id == set(types)  # every type turns up, and an id always gets the same one
+    assert preset.acceptance_for(request(None, "id7")) == \
+        preset.acceptance_for(request(None, "id7"))
+    assert preset.acceptance_for(request(3, "x")).max_run == 2
+    assert preset.acceptance["low"] == preset.acceptance_for(
+        GenerationRequest("s", prompt="p", max_tokens=8, request_class="low_2", seed=5))
+
+
+def test_the_draft_model_preset_is_the_engine_and_the_app_as_measured() -> None:
+    """Step times within 8% of the engine benchmark's draft-model rows, and the acceptance
+    lengths the high phases showed over HTTP under each static tier within 8% (the requests'
+    types weighted by the steps they take); a model drafter offers no per-request caps."""
+    preset = PRESETS["cpu-demo-draft"]
+    rows = json.loads((RESULTS / "engine_bench.json").read_text())["by_depth"]
+    measured = [(r["concurrency"], r["depth"], r["median_step_ms"] / 1000) for r in rows
+                if r["drafter"] == "draft_model"]
+    assert len(measured) == 10
+    for batch, depth, seconds in measured:
+        assert preset.step_seconds(batch, depth) == pytest.approx(seconds, rel=0.08), \
+            (batch, depth)
+    http = json.loads((RESULTS / "transition_http_draft_model_stop48a.json").read_text())
+    types = preset.acceptance["high"]
+    for k in (1, 3, 7, 15):
+        steps = sum(1 / (1 + t.mean_run(k)) for t in types)
+        simulated = len(types) / steps
+        over_http = http["modes"][f"static{k}"]["phase_accept_len"]["high_1"]
+        assert simulated == pytest.approx(over_http, rel=0.08), k
+    assert not SimulatedEngine(preset).applies_draft_caps
+    assert SimulatedEngine(PRESETS["cpu-demo"]).applies_draft_caps

@@ -73,12 +73,14 @@ class SimulatedEngine:
 
     name = "sim"
     returns_logprobs = False  # a simulator has no distribution
-    applies_draft_caps = True
 
     def __init__(self, preset: SimPreset, kmax: int = 15, max_num_seqs: int = 64,
                  max_model_len: int = 1024, time_scale: float = 1.0,
                  seed: int | tuple[int, ...] = 0):
         self.preset = preset
+        # As the vLLM adapter: caps only where drafts cost nothing to propose (see
+        # `SimPreset.model_drafter`).
+        self.applies_draft_caps = not preset.model_drafter
         self._rng = np.random.default_rng(seed)
         self.kmax = kmax
         self.max_num_seqs = max_num_seqs
@@ -88,7 +90,7 @@ class SimulatedEngine:
         self._waiting: deque[_SimRequest] = deque()
         self._running: dict[str, _SimRequest] = {}
         # The batch as arrays, one row per slot, so a step is a few vector operations.
-        self._table = AcceptanceTable(preset.acceptance.values())
+        self._table = AcceptanceTable(preset.all_acceptance())
         self._slots: list[_SimRequest | None] = [None] * max_num_seqs
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._active = np.zeros(max_num_seqs, bool)
