@@ -51,6 +51,10 @@ bench-replay: install
 	for preset in h20-llama8b-ngram cpu-demo cpu-demo-draft; do for workload in transition sweep; do \
 		$(BIN)/python -m bench.policy_replay --preset $$preset --workload $$workload || exit 1; \
 	done; done
+	for preset in cpu-demo cpu-demo-draft; do \
+		$(BIN)/python -m bench.policy_replay --preset $$preset --workload transition \
+			--class-priors || exit 1; \
+	done
 
 bench-cluster: install
 	$(BIN)/python -m bench.cluster_sim

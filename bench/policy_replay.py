@@ -9,6 +9,10 @@ requests at `--concurrency`, `--max-tokens` tokens each), or the concurrency swe
 1 -> 16 -> 64 -> 1. The real control loop, tier pool and policies decide; time is the sum of
 simulated step times, so a run takes seconds. Prints SGLang-benchmark-style tables with an
 "oracle" row (best static per phase) and saves a plot of K over time per policy.
+
+`--class-priors` adds what a replica of the app has and the plain replay does not: the request
+classes' past acceptance (`policies.class_acceptance`, folded every telemetry period), which
+`goodput` uses as a hint at K=0 and to price each request before it has drafted.
 """
 
 from __future__ import annotations
@@ -18,15 +22,17 @@ import asyncio
 import json
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.report import compare_to_statics, print_table, verdict
+from policies.class_acceptance import ClassAcceptance, ClassPrior, class_counts
 from policies.registry import build_policy
 from policies.signals import RequestAcceptance, RequestWindows, Signals
 from replicas.control_loop import ControlLoop
-from replicas.engines.base import REQUEST_WINDOW, GenerationRequest
+from replicas.engines.base import REQUEST_WINDOW, GenerationRequest, period_windows
 from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS
 from replicas.tier_pool import TierPool
@@ -42,6 +48,14 @@ PUBLISHED_H20 = {"static1": (1093.0, 931.3, 1076.1, 1034.3, 1454.2),
 PUBLISHED_H20_ACCEPT_LEN = {"static1": 1.73, "static3": 2.88, "static7": 4.46, "static15": 6.36}
 STATIC = ("static1", "static3", "static7", "static15")
 ADAPTIVE = ("batch_table", "ema", "goodput", "stability")
+# How often a replica of the app folds its requests' outcomes into its class statistics.
+TELEMETRY_PERIOD_S = 0.5
+
+
+def app_class(phase_class: str) -> str:
+    """The class the app's ingress gives a request of this phase: greedy for the high
+    phases' prompts (temperature 0), sampled for the low ones' (see `bench.workloads`)."""
+    return "greedy" if phase_class.startswith("high") else "sampled"
 
 
 @dataclass(frozen=True)
@@ -84,13 +98,23 @@ class ModeResult:
     switches: int = 0
 
 
-async def replay(mode: str, preset: str, phases: list[Phase], max_tokens: int) -> ModeResult:
+async def replay(mode: str, preset: str, phases: list[Phase], max_tokens: int,
+                 class_priors: bool = False) -> ModeResult:
     engine = SimulatedEngine(PRESETS[preset], kmax=max(CANDIDATES), max_num_seqs=256)
     pool = TierPool(engine, CANDIDATES, initial_k=3)
     await pool.apply_initial()
+    classes, class_of = ClassAcceptance(), {}
+    if class_priors:
+        engine.finished_acceptance()  # keep finished requests' windows from now on
+
+    def prior() -> ClassPrior:
+        return classes.prior(Counter(class_of.values()), class_of)
+
     loop = ControlLoop(engine, pool, build_policy(policy_config(mode, preset), CANDIDATES),
-                       max_batch=engine.max_num_seqs)
+                       max_batch=engine.max_num_seqs,
+                       class_prior=prior if class_priors else None)
     result, clock, serial = ModeResult(), 0.0, 0
+    next_period = TELEMETRY_PERIOD_S
     for phase in phases:
         outcome = result.phases.setdefault(phase.name, PhaseResult())
         in_flight: list[Any] = []
@@ -101,6 +125,8 @@ async def replay(mode: str, preset: str, phases: list[Phase], max_tokens: int) -
                 in_flight.append(engine.submit(GenerationRequest(
                     request_id=f"{mode}-{serial}", prompt="sim", max_tokens=max_tokens,
                     temperature=0.0, request_class=phase.request_class, seed=serial)))
+                if class_priors:
+                    class_of[f"{mode}-{serial}"] = app_class(phase.request_class)
                 submitted += 1
             engine.admit()
             before = engine.counters()
@@ -110,6 +136,16 @@ async def replay(mode: str, preset: str, phases: list[Phase], max_tokens: int) -
             outcome.seconds += seconds
             outcome.tokens += after.generated_tokens - before.generated_tokens
             outcome.sequence_steps += after.sequence_steps - before.sequence_steps
+            if class_priors and clock >= next_period:  # the replica's telemetry period
+                next_period = clock + TELEMETRY_PERIOD_S
+                # Finished requests come back with their phase's class.
+                windows, classes_of = period_windows(engine, class_of)
+                classes.observe(class_counts(windows, {
+                    rid: class_of.get(rid) or app_class(c) for rid, c in classes_of.items()},
+                    engine.kmax))
+            for entry in in_flight:
+                if entry.done:
+                    class_of.pop(entry.request.request_id, None)
             in_flight = [entry for entry in in_flight if not entry.done]
             await loop.tick()
             result.timeline.append((clock, pool.active_k))
@@ -232,16 +268,23 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--class-priors", action="store_true",
+                        help="price requests by what their class (greedy or sampled, as the "
+                             "app's ingress names them) showed before, as a replica of the app "
+                             "does; results are saved with a _class_priors suffix")
     args = parser.parse_args()
     phases = phases_for(args.workload, args.requests, args.concurrency)
     names = [p.name for p in phases]
-    results = {mode: asyncio.run(replay(mode, args.preset, phases, args.max_tokens))
+    results = {mode: asyncio.run(replay(mode, args.preset, phases, args.max_tokens,
+                                        args.class_priors))
                for mode in (*STATIC, *ADAPTIVE)}
     modes = summarise(results, names)
     decision_us = {mode: decision_time_us(args.preset, mode) for mode in ADAPTIVE}
     text = report(modes, names, decision_us, args.preset == "h20-llama8b-ngram")
-    print(f"SIMULATOR preset {args.preset}, workload {args.workload}\n\n{text}")
-    stem = Path("bench/results") / f"policy_replay_{args.preset}_{args.workload}"
+    print(f"SIMULATOR preset {args.preset}, workload {args.workload}"
+          f"{', class priors' if args.class_priors else ''}\n\n{text}")
+    stem = Path("bench/results") / (f"policy_replay_{args.preset}_{args.workload}"
+                                    + ("_class_priors" if args.class_priors else ""))
     json_path, plot_path = args.json or stem.with_suffix(".json"), args.plot or \
         stem.with_suffix(".png")
     json_path.write_text(json.dumps({"preset": args.preset, "workload": args.workload,

@@ -134,3 +134,17 @@ def test_the_draft_model_preset_is_the_engine_and_the_app_as_measured() -> None:
         assert simulated == pytest.approx(over_http, rel=0.08), k
     assert not SimulatedEngine(preset).applies_draft_caps
     assert SimulatedEngine(PRESETS["cpu-demo"]).applies_draft_caps
+
+
+def test_class_priors_bring_the_second_high_phase_up_at_once() -> None:
+    """On the cpu-demo preset the low phases run K=0, where nothing is drafted: without the
+    request classes' past acceptance `goodput` waits for a probe at the start of each high
+    phase; with it (as a replica of the app has it), the second high phase's greedy requests
+    are known from the first, and their class brings the replica up as they arrive. The first
+    high phase, with nothing known yet, is the same either way."""
+    phases = phases_for("transition", requests=16, concurrency=8)
+    plain, primed = ({name: phase.tokens / phase.seconds for name, phase in asyncio.run(
+        replay("goodput", "cpu-demo", phases, max_tokens=256, class_priors=priors)
+    ).phases.items()} for priors in (False, True))
+    assert primed["high_2"] > 1.05 * plain["high_2"]
+    assert primed["high_1"] == pytest.approx(plain["high_1"], rel=0.01)
