@@ -67,13 +67,13 @@ class EngineReplica:
         await self.engine.start()
         self.pool = TierPool(self.engine, candidates, initial_k)
         await self.pool.apply_initial()
+        self.metrics = ReplicaMetrics(self.replica_id, self.pool.candidates)
         self.loop = ControlLoop(self.engine, self.pool, build_policy(policy, self.pool.candidates),
                                 decide_every_steps, max_batch=spec.max_num_seqs,
-                                class_prior=self._class_prior)
+                                class_prior=self._class_prior,
+                                on_switch_lag=self.metrics.record_switch_lag_steps)
         self.policy_config = parse_policy_config(policy).model_dump()
         tracing.configure_tracing("specserve-replica")
-        self.metrics = ReplicaMetrics(self.replica_id, self.pool.candidates)
-        self.loop.on_switch_lag = self.metrics.record_switch_lag_steps
         self.active_spans = tracing.ActiveSpans()
         self.telemetry_period_s = telemetry_period_s
         self.stream_interval_s = stream_interval_ms / 1000
