@@ -122,17 +122,21 @@ class SimPreset:
             name = name.split("_")[0]
         if name not in self.acceptance:  # unlabelled: greedy repeats well, sampling does not
             name = "high" if request.temperature <= 0.1 else "low"
-        types = self.acceptance[name]
-        if isinstance(types, Acceptance):
-            return types
+        types = _types(self.acceptance[name])
+        if len(types) == 1:
+            return types[0]
         turn = request.seed if request.seed is not None else zlib.crc32(
             request.request_id.encode())
         return types[turn % len(types)]
 
     def all_acceptance(self) -> list[Acceptance]:
         """Every class's acceptance, request types included."""
-        return [acceptance for types in self.acceptance.values()
-                for acceptance in ((types,) if isinstance(types, Acceptance) else types)]
+        return [acceptance for entry in self.acceptance.values() for acceptance in _types(entry)]
+
+
+def _types(entry: Acceptance | tuple[Acceptance, ...]) -> tuple[Acceptance, ...]:
+    """A class's request types: one acceptance is one type."""
+    return (entry,) if isinstance(entry, Acceptance) else entry
 
 
 PRESETS = {
