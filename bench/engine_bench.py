@@ -24,6 +24,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.report import percentile
 from bench.workloads import HIGH, LOW, Prompt
 from replicas.engines.base import Engine, GenerationRequest, StepRecord
 from replicas.engines.spec import EngineSpec
@@ -160,7 +161,7 @@ async def switch_cost(engine: Engine, pool: TierPool, switches: int) -> dict[str
     await load
     seconds.sort()
     return {"switches": len(seconds), "median_ms": 1000 * statistics.median(seconds),
-            "p99_ms": 1000 * seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))]}
+            "p99_ms": 1000 * percentile(seconds, 99)}
 
 
 async def bench(args: argparse.Namespace) -> dict:

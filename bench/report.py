@@ -19,6 +19,15 @@ T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
          2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile by nearest rank (the value q% of them lie below), None when there
+    are none: the benchmarks' p99 latencies and gaps."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A titled markdown table (returned, so callers can print it and save it)."""
     lines = [f"### {title}", "", "| " + " | ".join(header) + " |",

@@ -34,7 +34,7 @@ import yaml
 
 from bench.foreign_cpu import ForeignCpu, ForeignCpuReport
 from bench.http_suite import serving
-from bench.report import print_table
+from bench.report import percentile, print_table
 from bench.workloads import HIGH, LOW
 
 RESULTS = Path("bench/results")
@@ -98,7 +98,7 @@ async def run_load(url: str, concurrency: int, requests: int, max_tokens: int
     return {"throughput": tokens / seconds,
             "ttft_s": statistics.median(r.ttft_s for r in results),
             "events_per_request": statistics.mean(r.events for r in results),
-            "gap_p99_ms": 1000 * gaps[int(0.99 * (len(gaps) - 1))] if gaps else 0.0,
+            "gap_p99_ms": 1000 * percentile(gaps, 99) if gaps else 0.0,
             "cpu_s_per_1k_tokens": 1000 * cpu / tokens if tokens else 0.0}
 
 

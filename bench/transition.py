@@ -46,7 +46,7 @@ from typing import Any
 
 import httpx
 
-from bench.report import is_static
+from bench.report import is_static, percentile
 from bench.transition_report import combine, plot, report
 from bench.workloads import HIGH, LOW, Prompt
 from policies.registry import parse_policy_config
@@ -240,12 +240,16 @@ async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
     summary = {
         "throughput": tokens / seconds if seconds else 0.0,
         "latency_s": sum(latencies) / len(latencies) if latencies else None,
+        "latency_p99_s": percentile(latencies, 99),
         "accept_len": tokens / steps if steps else 0.0,
         "switches": switches,
         "errors": sum(r.errors for r in results),
         "phases": {r.name: r.throughput for r in results},
         "phase_tokens": {r.name: r.tokens for r in results},
         "phase_accept_len": {r.name: r.accept_len for r in results},
+        # Every request's latency, so a phase's tail (its last requests end the phase) can
+        # be studied later.
+        "phase_latencies_s": {r.name: [round(lat, 4) for lat in r.latencies] for r in results},
         "timeline": timeline,
         "started_s": mode_started,
         "phase_started_s": phase_started,

@@ -28,13 +28,15 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     acceptance length and switches; errors summed; every round's tier timeline; and each
     round's own numbers under "rounds"."""
     def median_of(key: str) -> float | None:
-        values = [r[key] for r in runs if r[key] is not None]  # None: no request finished
+        # None: no request finished; absent: a run recorded before the key existed
+        values = [r[key] for r in runs if r.get(key) is not None]
         return statistics.median(values) if values else None
 
     per_round = [{k: v for k, v in r.items() if k not in ("timeline", "started_s")}
                  for r in runs]  # each keeps its phase start times
     return {
         "throughput": median_of("throughput"), "latency_s": median_of("latency_s"),
+        "latency_p99_s": median_of("latency_p99_s"),
         "accept_len": median_of("accept_len"), "switches": median_of("switches"),
         "errors": sum(r["errors"] for r in runs),
         "phases": {p: statistics.median(r["phases"][p] for r in runs) for p in runs[0]["phases"]},
@@ -61,9 +63,11 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"{'MACHINE SHARED' if machine.shared else 'MACHINE'}: {machine}")
     lines += [print_table(
         f"SUMMARY{f' (median of {rounds} rounds; errors summed)' if rounds > 1 else ''}",
-        ["mode", "tok/s", "avg latency s", "accept len", "switches", "errors"],
-        [[m, f"{r['throughput']:.1f}", number(r["latency_s"]), f"{r['accept_len']:.2f}",
-          f"{r['switches']:g}", r["errors"]] for m, r in modes.items()])]
+        ["mode", "tok/s", "avg latency s", "p99 latency s", "accept len", "switches",
+         "errors"],
+        [[m, f"{r['throughput']:.1f}", number(r["latency_s"]), number(r.get("latency_p99_s")),
+          f"{r['accept_len']:.2f}", f"{r['switches']:g}", r["errors"]]
+         for m, r in modes.items()])]
     lines.append(print_table(
         f"PER-PHASE THROUGHPUT (tok/s{of}) [accept len]", ["mode", *phase_names],
         [[m, *(f"{r['phases'][p]:.1f} [{r['phase_accept_len'][p]:.2f}]" for p in phase_names)]

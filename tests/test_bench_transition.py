@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from bench.http_suite import end_leftovers, result_name, result_stem, transition_command
-from bench.report import RatioInterval
+from bench.report import RatioInterval, percentile
 from bench.transition import (
     again,
     bench,
@@ -264,9 +264,40 @@ def test_a_static_mode_that_made_nothing_leaves_the_report_readable() -> None:
     again_ = combine([_round(0, 0, 0, 3), _round(0, 0, 0, 3)])
     text = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 2,
                    "aa_control": {"mode": "goodput", "again": again_}})
-    assert "| static1 | 0.0 | n/a | 1.50 | 0 | 32 |" in text
+    assert "| static1 | 0.0 | n/a | n/a | 1.50 | 0 | 32 |" in text
     assert "| goodput | n/a | n/a | n/a |" in text  # against the best static
     assert "| goodput | n/a | n/a [" not in text and "| goodput | n/a | n/a | n/a |" in text
+
+
+def test_the_summary_gives_each_modes_tail_latency_and_older_runs_read_without_it() -> None:
+    """p99 latency is the median over rounds of each round's p99 (a run recorded before the
+    column existed reads n/a there), and a round keeps every request's latency by phase."""
+    rounds = [_round(300, 250, 0, 0) | {"latency_p99_s": p99} for p99 in (1.0, 3.0, 2.0)]
+    modes = {"static1": combine(rounds), "goodput": combine([_round(420, 225, 0, 3)])}
+    text = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 3})
+    assert "| static1 | 300.0 | 3.00 | 2.00 | 1.50 | 0 | 0 |" in text
+    assert "| goodput | 420.0 | 4.20 | n/a | 1.50 | 3 | 0 |" in text
+
+
+def test_percentiles_are_taken_by_nearest_rank() -> None:
+    latencies = [float(i) for i in range(1, 101)]  # 1 .. 100
+    assert percentile(latencies, 99) == 100.0 and percentile(latencies, 50) == 51.0
+    assert percentile(list(reversed(latencies)), 99) == 100.0
+    assert percentile([2.5], 99) == 2.5 and percentile([], 99) is None
+
+
+def test_a_round_records_every_requests_latency_by_phase(monkeypatch) -> None:
+    monkeypatch.setattr("bench.transition.Client", FlakyApp)
+    monkeypatch.setattr(FlakyApp, "fail_on_change", 0)
+    args = argparse.Namespace(url="http://127.0.0.1:1", model="m", max_tokens=10, api_key=None,
+                              workload="transition", requests=3, concurrency=2, warmup=1,
+                              phases=None, modes=["static1"], defined={}, aa_control=None,
+                              rounds=1)
+    results = asyncio.run(bench(args))
+    run = results["modes"]["static1"]["rounds"][0]
+    assert {phase: len(latencies) for phase, latencies in run["phase_latencies_s"].items()} \
+        == dict.fromkeys(["low_1", "high_1", "low_2", "high_2"], 3)
+    assert run["latency_p99_s"] == pytest.approx(0.01, abs=0.005)
 
 
 def test_the_acceptance_contrast_of_the_workload_is_printed() -> None:

@@ -17,6 +17,7 @@ from app.telemetry_hub import ClusterState
 from bench.cluster.load import CLASSES, Arrival, token_shares
 from bench.policy_replay import CANDIDATES
 from bench.policy_replay import policy_config as replay_policy_config
+from bench.report import percentile
 from policies.class_acceptance import ClassAcceptance, ClassPrior, class_counts
 from policies.registry import build_policy
 from policies.signals import ClusterView, Decision, Signals
@@ -358,7 +359,7 @@ def summarise(outcome: ModeOutcome, replicas: int) -> dict[str, Any]:
             "tpot_missed": outcome.tpot_missed / max(1, len(latencies)),
             "throughput": outcome.window_tokens / outcome.window_s,
             "p50_s": statistics.median(latencies),
-            "p99_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "p99_s": percentile(latencies, 99),
             "switches_per_replica_hour": outcome.switches / replica_hours,
             "steady_switches_per_replica_hour": outcome.steady_switches /
             (replicas * max(1e-9, outcome.window_s - WARMUP_S) / 3600),
