@@ -159,7 +159,6 @@ async def switch_cost(engine: Engine, pool: TierPool, switches: int) -> dict[str
             seconds.append(change.seconds)
         await asyncio.sleep(0.005)
     await load
-    seconds.sort()
     return {"switches": len(seconds), "median_ms": 1000 * statistics.median(seconds),
             "p99_ms": 1000 * percentile(seconds, 99)}
 

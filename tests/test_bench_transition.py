@@ -271,7 +271,7 @@ def test_a_static_mode_that_made_nothing_leaves_the_report_readable() -> None:
 
 def test_the_summary_gives_each_modes_tail_latency_and_older_runs_read_without_it() -> None:
     """p99 latency is the median over rounds of each round's p99 (a run recorded before the
-    column existed reads n/a there), and a round keeps every request's latency by phase."""
+    column existed reads n/a there)."""
     rounds = [_round(300, 250, 0, 0) | {"latency_p99_s": p99} for p99 in (1.0, 3.0, 2.0)]
     modes = {"static1": combine(rounds), "goodput": combine([_round(420, 225, 0, 3)])}
     text = report({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 3})
