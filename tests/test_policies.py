@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from policies.acceptance import (
     AcceptanceWindow,
@@ -125,6 +126,19 @@ def test_ema_accepts_sglang_json_as_is():
     assert config.slots[1].down_hysteresis == -0.5
     assert config.slots[8].candidate_steps == [0, 1]
     assert config.ema_alpha == 0.3
+
+
+@pytest.mark.parametrize("config", [
+    {"1": {"candidate_steps": [1, 3], "update_interval": 0}},  # divided by zero at update
+    {"1": {"candidate_steps": [1, 3], "ema_alpha": 5}},  # the EMA grows without bound
+    {"1": {"candidate_steps": [1, 3], "ema_alpha": 0}},
+    {"1": {"candidate_steps": [1, 3], "warmup_batches": -1}},
+    {"1": {"candidate_steps": [1, 3], "ceiling_coeff": -1}},
+    {"slots": {}},  # no slot serves any batch (IndexError at the first decision)
+])
+def test_ema_slot_overrides_are_held_to_the_global_limits(config):
+    with pytest.raises(ValidationError):
+        EmaConfig.model_validate(config)
 
 
 # ---- batch_table: vLLM's schema and semantics ----------------------------------------------------
