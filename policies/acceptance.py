@@ -21,8 +21,8 @@ from policies.signals import RequestWindows
 DEFAULT_PRIOR_FIRST = 0.5
 # A shift in first-position acceptance counts only with this many drafts on both sides.
 SHIFT_MIN_DRAFTS = 16
-# After a shift, the prior is left out for this many updates: the fleet's decayed
-# counts lag the same change.
+# After a shift, the prior is left out for this many updates (decisions, drafting or not):
+# the fleet's decayed counts lag the same change.
 PRIOR_PAUSE_UPDATES = 8
 
 
@@ -46,14 +46,16 @@ class AcceptanceWindow:
         (see `GoodputConfig.shift_threshold`) restarts every position: a decay would take
         several decisions to forget the old traffic, and a high phase lasts tens of steps.
         """
+        # The pause runs out with decisions, drafting or not: counted only on drafting ones,
+        # a replica that went to K=0 after a shift kept the prior aside for good.
+        if self._prior_paused:
+            self._prior_paused -= 1
         if not any(drafted):
             return
         if self._shifted(accepted, drafted):
             self.accepted = [0.0] * len(self.accepted)
             self.drafted = [0.0] * len(self.drafted)
             self._prior_paused = PRIOR_PAUSE_UPDATES
-        elif self._prior_paused:
-            self._prior_paused -= 1
         for k in range(len(self.accepted)):
             self.accepted[k] = self.accepted[k] * self.decay + (
                 accepted[k] if k < len(accepted) else 0)

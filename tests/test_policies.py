@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from policies.acceptance import (
+    PRIOR_PAUSE_UPDATES,
     AcceptanceWindow,
     BatchAcceptance,
     batch_acceptance,
@@ -766,6 +767,23 @@ def test_goodput_restarts_its_estimate_when_the_traffic_shifts():
 
     assert first_decision_of_the_new_phase() >= 7
     assert first_decision_of_the_new_phase(shift_threshold=1.0) <= 3
+
+
+def test_the_prior_set_aside_at_a_shift_comes_back_after_a_few_decisions_at_k0():
+    """A shift sets the fleet's prior aside for `PRIOR_PAUSE_UPDATES` decisions (its counts
+    lag the same change). A replica that goes to K=0 after the shift drafts nothing, and its
+    decisions still count: it takes the prior back after as many, not never."""
+    acceptance = AcceptanceWindow(15, decay=0.7, prior_strength=4.0, shift_threshold=0.3)
+    prior = (0.9,) * 15
+    acceptance.update((2,) + (0,) * 14, (20,) + (0,) * 14)  # 0.1 lands
+    acceptance.update((19,) + (0,) * 14, (20,) + (0,) * 14)  # 0.95: a shift
+    assert not acceptance.uses_prior(prior)
+    nothing = (0,) * 15
+    for _ in range(PRIOR_PAUSE_UPDATES - 1):
+        acceptance.update(nothing, nothing)
+    assert not acceptance.uses_prior(prior)
+    acceptance.update(nothing, nothing)
+    assert acceptance.uses_prior(prior)
 
 
 def test_goodput_sets_aside_a_prior_its_own_first_position_contradicts():
