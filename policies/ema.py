@@ -146,6 +146,7 @@ class EmaSlot:
 class EmaPolicy:
     name = "ema"
     reads_requests = False
+    needs_requests = False
     decides_on_arrival = False
 
     def __init__(self, config: EmaConfig, candidates: tuple[int, ...]):

@@ -15,7 +15,8 @@ Differences, said plainly:
 - The batch cap becomes the replica's K, snapped to the nearest candidate not above it. Where
   the engine caps drafts per request (vLLM's synchronous scheduler, the simulator), each
   request whose own length is below that K is capped at it, as in DSDE; elsewhere (vLLM's
-  async scheduler, SGLang) one K serves every request.
+  async scheduler) one K serves every request. An engine that reports no per-request
+  outcomes (SGLang) gives the policy nothing to judge: the control loop refuses it there.
 - A run at the request's depth (K, or its cap) that accepted every draft is cut off by the
   depth, not by the request: it might have accepted more. Such a request's SLmax is the next
   tier up (twice its cap, at most that tier, for a capped one), so the policy can climb
@@ -119,6 +120,7 @@ def _weighted_variance(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
 class StabilityPolicy:
     name = "stability"
     reads_requests = True
+    needs_requests = True
     decides_on_arrival = False
 
     def __init__(self, config: StabilityConfig, candidates: tuple[int, ...]):

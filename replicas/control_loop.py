@@ -93,11 +93,12 @@ class ControlLoop:
                  on_switch_lag: Callable[[int], None] | None = None):
         self.engine = engine
         self.pool = pool
-        self.policy = policy
         self.decide_every_steps = decide_every_steps
         # Per-request outcomes, from engines that can attribute acceptance (see `Engine`).
         self._request_acceptance: Callable[[], RequestWindows] | None = \
             getattr(engine, "request_acceptance", None)
+        self.check_policy(policy)
+        self.policy = policy
         self.max_batch = max_batch
         self._class_prior = class_prior
         # Per-request draft caps, on engines that apply them (see `Decision.draft_caps`).
@@ -126,7 +127,17 @@ class ControlLoop:
                 return
             self._stale_steps += 1
 
+    def check_policy(self, policy: Policy) -> None:
+        """Raise ValueError if this engine cannot serve `policy`: one that needs per-request
+        outcomes (`Policy.needs_requests`) on an engine that reports none would never move
+        K, and say only that it has no request history yet."""
+        if policy.needs_requests and self._request_acceptance is None:
+            raise ValueError(f"{type(policy).__name__} needs per-request verify outcomes, "
+                             f"which the {self.engine.name} engine does not report; "
+                             "choose another policy")
+
     def replace_policy(self, policy: Policy) -> None:
+        self.check_policy(policy)
         self.policy = policy
         self._pending.clear()
         self._classes_decided = set()  # the new policy has priced no class yet

@@ -33,8 +33,10 @@ from policies.registry import build_policy
 from policies.signals import Decision, RequestAcceptance, RequestWindows, Signals
 from replicas.control_loop import ControlLoop, fold_steps
 from replicas.engines.base import GenerationRequest, StepRecord, period_windows
+from replicas.engines.sglang_engine import SglangEngine
 from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS
+from replicas.engines.spec import EngineSpec
 from replicas.tier_pool import TierPool
 
 
@@ -336,6 +338,26 @@ def test_control_loop_hands_request_windows_to_the_policies_that_read_them(polic
     assert all(len(r.drafted) == loop.decide_every_steps for r in requests)
 
 
+def test_a_policy_that_needs_per_request_outcomes_is_refused_on_an_engine_without_them():
+    """SGLang's adapter reports no per-request outcomes: there `stability` would answer "no
+    request history yet" at every decision and never move K. The loop refuses it when built
+    with it and when it is set later (keeping the policy it had); the simulator, which
+    reports them as vLLM does, serves it."""
+    engine = SglangEngine(EngineSpec(engine="sglang", drafter="eagle", kmax=7))
+    pool = TierPool(engine, (0, 1, 3, 7))
+    stability = build_policy({"name": "stability"}, pool.candidates)
+    with pytest.raises(ValueError, match="per-request verify outcomes"):
+        ControlLoop(engine, pool, stability)
+    loop = ControlLoop(engine, pool, build_policy({"name": "goodput"}, pool.candidates))
+    goodput = loop.policy
+    with pytest.raises(ValueError, match="per-request verify outcomes"):
+        loop.replace_policy(stability)
+    assert loop.policy is goodput
+    simulator = SimulatedEngine(PRESETS["cpu-demo"], kmax=7)
+    assert ControlLoop(simulator, TierPool(simulator, (0, 1, 3, 7)), stability).policy \
+        is stability
+
+
 def test_control_loop_times_each_decision_on_its_own():
     """The decision-time histogram takes each decision's wall time: one slow decision must
     show in its tail, not be averaged away with the fast ones before it."""
@@ -347,7 +369,7 @@ def test_control_loop_times_each_decision_on_its_own():
     delays = iter([0.0, 0.0, 0.0, 0.05])
 
     class Timed:
-        name, reads_requests, decides_on_arrival = "timed", False, False
+        name, reads_requests, needs_requests, decides_on_arrival = "timed", False, False, False
 
         def decide(self, signals):
             time.sleep(next(delays))
@@ -570,7 +592,7 @@ def test_simulator_caps_a_requests_drafts_and_its_step_cost_follows():
 
 def test_control_loop_sends_a_policys_caps_and_lifts_them_for_a_policy_without():
     class Capping:
-        name, reads_requests, decides_on_arrival = "capping", False, False
+        name, reads_requests, needs_requests, decides_on_arrival = "capping", False, False, False
 
         def decide(self, signals: Signals) -> Decision:
             assert signals.draft_caps_apply

@@ -150,6 +150,7 @@ class OracleK:
 
     name = ORACLE
     reads_requests = False
+    needs_requests = False
     decides_on_arrival = False
 
     def __init__(self, engine: SimulatedEngine, candidates: tuple[int, ...]):
