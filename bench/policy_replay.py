@@ -30,9 +30,9 @@ from typing import Any
 from bench.report import compare_to_statics, print_table, verdict
 from policies.class_acceptance import ClassAcceptance, ClassPrior, class_counts
 from policies.registry import build_policy
-from policies.signals import RequestAcceptance, RequestWindows, Signals
+from policies.signals import REQUEST_WINDOW, RequestAcceptance, RequestWindows, Signals
 from replicas.control_loop import ControlLoop
-from replicas.engines.base import REQUEST_WINDOW, GenerationRequest, period_windows
+from replicas.engines.base import GenerationRequest, period_windows
 from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS
 from replicas.tier_pool import TierPool

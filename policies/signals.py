@@ -38,6 +38,11 @@ class RequestAcceptance:
                              f"for {len(self.drafted)} verify steps")
 
 
+# Verify outcomes an engine keeps per running request (`Engine.request_acceptance`): the
+# widest window a policy can read. DSDE uses 30.
+REQUEST_WINDOW = 30
+
+
 def _no_outcomes() -> np.ndarray:
     return np.zeros((0, 0), np.int64)
 
@@ -126,10 +131,12 @@ class RequestWindows:
                                     tuple(self.drafted[row, width - length:].tolist()))
 
     def clipped(self, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """(drafted, accepted) with drafts beyond `width` left out and no more accepted than
-        drafted. vLLM's windows come from output deltas: when the reader falls behind, one
-        delta carries several steps' tokens, and its step looks like more accepted drafts
-        than the step offered."""
+        """(drafted, accepted) with drafts beyond `width` (the deepest position the reader
+        counts) left out, and no more accepted than drafted (a step that landed more than
+        `width` landed all `width`). A window keeps a request's last `REQUEST_WINDOW` steps,
+        which may have run deeper than a policy's widest tier now: before a run-time change
+        of candidates lowered it. Position counts (`policies.outcomes`) bin the values
+        0..width only; a deeper one would count in the next row's bins."""
         drafted = np.minimum(self.drafted, width)
         return drafted, np.minimum(self.accepted, drafted)
 

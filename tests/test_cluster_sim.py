@@ -29,8 +29,8 @@ from bench.cluster.runs import CAPACITY_RESOLUTION, Run, run_one, slo_capacity
 from bench.policy_replay import CANDIDATES
 from policies.class_acceptance import class_counts
 from policies.registry import build_policy
-from policies.signals import Signals
-from replicas.engines.base import REQUEST_WINDOW, GenerationRequest
+from policies.signals import REQUEST_WINDOW, Signals
+from replicas.engines.base import GenerationRequest
 from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS
 

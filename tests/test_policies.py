@@ -23,6 +23,7 @@ from policies.ema import EmaConfig, EmaPolicy
 from policies.goodput import GoodputConfig, GoodputPolicy
 from policies.registry import POLICY_NAMES, build_policy
 from policies.signals import (
+    REQUEST_WINDOW,
     ClusterView,
     Decision,
     RequestAcceptance,
@@ -882,7 +883,8 @@ def with_requests(signals: Signals, *requests: RequestAcceptance) -> Signals:
 
 def request_length(request: RequestAcceptance, config: StabilityConfig, current: int,
                    next_tier: int) -> int:
-    return int(request_lengths(RequestWindows.of([request]), config, current, next_tier)[0])
+    return int(request_lengths(RequestWindows.of([request]), config, CANDIDATES[-1], current,
+                               next_tier)[0])
 
 
 def test_stability_caps_long_on_steady_acceptance_and_short_on_erratic():
@@ -909,7 +911,8 @@ def test_stability_judges_each_request_by_its_own_drafting_steps():
     young = RequestAcceptance("c", accepted=(7, 7), drafted=(7, 7))  # too little history
     erratic = RequestAcceptance("d", accepted=(7, 0) * 5, drafted=(7,) * 10)
     batch = [steady, paused, young, erratic]
-    lengths = request_lengths(RequestWindows.of(batch), config, current=7, next_tier=15)
+    lengths = request_lengths(RequestWindows.of(batch), config, CANDIDATES[-1], current=7,
+                              next_tier=15)
     assert lengths.tolist() == [request_length(r, config, 7, 15) for r in batch]
     assert lengths[0] == lengths[1] == 15 and lengths[2] == 0 and 0 < lengths[3] < 7
 
@@ -950,14 +953,30 @@ outcome = st.sampled_from([0, 1, 3, 7, 15]).flatmap(
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.lists(outcome, max_size=30), max_size=6),
-       st.sampled_from([3, 10, 30, 45]), st.sampled_from([0.5, 0.9]),
+       st.sampled_from([3, 10, 30]), st.sampled_from([0.5, 0.9]),
        st.sampled_from([(1, 3), (3, 7), (7, 15), (15, 15)]))
 def test_stability_lengths_match_the_per_request_computation(windows, window, weight, tiers):
     config = StabilityConfig(window=window, weight=weight)
     requests = [RequestAcceptance(f"r{i}", tuple(a for a, _ in w), tuple(d for _, d in w))
                 for i, w in enumerate(windows)]
-    lengths = request_lengths(RequestWindows.of(requests), config, *tiers)
+    lengths = request_lengths(RequestWindows.of(requests), config, CANDIDATES[-1], *tiers)
     assert lengths.tolist() == [dsde_length(r, config, *tiers) for r in requests]
+
+
+def test_stability_reads_steps_deeper_than_its_widest_tier_up_to_that_tier():
+    """After a run-time change of candidates lowered the widest tier (15 -> 7), a request's
+    window still holds its steps at K=15. One that landed 7 of 15 drafts each step landed
+    every draft a tier now offers: steady at K=7, not rejecting half its drafts (K=1)."""
+    tiers = (0, 1, 3, 7)
+    before = RequestAcceptance("a", accepted=(7,) * 30, drafted=(15,) * 30)
+    policy = StabilityPolicy(StabilityConfig(), tiers)
+    assert policy.decide(with_requests(window(7, 1.0, batch=1), before)).k == 7
+
+
+def test_stability_window_is_at_most_what_an_engine_keeps():
+    StabilityConfig(window=REQUEST_WINDOW)
+    with pytest.raises(ValidationError):
+        StabilityConfig(window=REQUEST_WINDOW + 1)
 
 
 def test_stability_climbs_when_runs_are_cut_off_by_the_depth():
