@@ -14,7 +14,6 @@ class Policy(Protocol):
     everything it knows arrives through `decide`.
     """
 
-    name: str
     reads_requests: bool
     """Whether `decide` reads `Signals.requests`; engines build those per-request windows
     only for policies that do (a batch's windows at every decision are not free)."""

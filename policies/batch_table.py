@@ -54,7 +54,6 @@ def lookup(rows: list[tuple[int, int, int]], batch: int) -> int:
 
 
 class BatchTablePolicy:
-    name = "batch_table"
     reads_requests = False
     needs_requests = False
     decides_on_arrival = False

@@ -144,7 +144,6 @@ class EmaSlot:
 
 
 class EmaPolicy:
-    name = "ema"
     reads_requests = False
     needs_requests = False
     decides_on_arrival = False

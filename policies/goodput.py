@@ -152,7 +152,6 @@ def _scores(parts: dict[int, tuple[float, float]], batch: int) -> dict[int, floa
 
 
 class GoodputPolicy:
-    name = "goodput"
     reads_requests = True
     needs_requests = False  # without them it scores the batch's mean as it is now
     decides_on_arrival = True

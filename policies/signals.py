@@ -167,7 +167,6 @@ class Signals:
     position k, so `accepted_per_pos[k] / drafted_per_pos[k]` is unbiased when K changes.
     """
 
-    candidates: tuple[int, ...]
     current_k: int
     steps: int
     """Engine steps folded into this window."""
@@ -178,7 +177,6 @@ class Signals:
     drafting_sequence_steps: int = 0
     """Sequence-steps run at K > 0, with or without a proposal: prompt-lookup proposes nothing
     where the context has no match, so `drafts` can be far fewer."""
-    draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()
     drafted_per_pos: tuple[int, ...] = ()

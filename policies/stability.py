@@ -121,7 +121,6 @@ def _weighted_variance(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 
 class StabilityPolicy:
-    name = "stability"
     reads_requests = True
     needs_requests = True
     decides_on_arrival = False

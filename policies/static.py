@@ -18,7 +18,6 @@ class StaticConfig(BaseModel):
 
 
 class StaticPolicy:
-    name = "static"
     reads_requests = False
     needs_requests = False
     decides_on_arrival = False

@@ -52,9 +52,9 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
         free = max(0, max_batch - len(requests)) if max_batch else None
         requests = requests.with_new(class_prior.class_of, free)
     return Signals(
-        candidates=candidates, current_k=current_k, steps=len(steps),
+        current_k=current_k, steps=len(steps),
         running=running, waiting=waiting,
-        drafts=sum(s.drafts for s in steps), draft_tokens=sum(s.draft_tokens for s in steps),
+        drafts=sum(s.drafts for s in steps),
         drafting_sequence_steps=sum(s.running for s in steps if s.k > 0),
         accepted_tokens=sum(s.accepted_tokens for s in steps),
         accepted_per_pos=tuple(accepted), drafted_per_pos=tuple(drafted),
@@ -82,7 +82,6 @@ class LoopStats:
     max_effective_concurrency: int = 0
     max_local_batch: int = 0
     last_signals: Signals | None = None
-    last_decision: Decision | None = None
 
 
 class ControlLoop:
@@ -176,7 +175,7 @@ class ControlLoop:
         decision = self.policy.decide(signals)
         self.stats.last_decision_seconds = time.perf_counter() - started
         self.stats.decisions += 1
-        self.stats.last_signals, self.stats.last_decision = signals, decision
+        self.stats.last_signals = signals
         self.stats.max_effective_concurrency = max(self.stats.max_effective_concurrency,
                                                    signals.effective_concurrency)
         self.stats.max_local_batch = max(self.stats.max_local_batch, signals.local_batch)

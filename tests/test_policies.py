@@ -54,8 +54,8 @@ def window(k: int, acceptance: float, batch: int = 4, steps: int = 4,
     accepted = tuple(round(drafts * acceptance ** (pos + 1)) if pos < k else 0
                      for pos in range(15))
     drafted = tuple(drafts if pos < k else 0 for pos in range(15))
-    return Signals(candidates=CANDIDATES, current_k=k, steps=steps, running=batch, waiting=0,
-                   drafts=drafts, draft_tokens=drafts * k, accepted_tokens=sum(accepted),
+    return Signals(current_k=k, steps=steps, running=batch, waiting=0,
+                   drafts=drafts, accepted_tokens=sum(accepted),
                    drafting_sequence_steps=batch * steps if k else 0,
                    slots_per_pos=tuple(batch * steps if pos < k else 0 for pos in range(15)),
                    accepted_per_pos=accepted, drafted_per_pos=drafted, cluster=cluster)

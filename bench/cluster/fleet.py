@@ -148,7 +148,6 @@ class OracleK:
     The shares are read off the batch, as the policy reads them, so right after a switch they
     still describe the previous K's mix (exact acceptance, not exact shares)."""
 
-    name = ORACLE
     reads_requests = False
     needs_requests = False
     decides_on_arrival = False
