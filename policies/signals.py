@@ -158,6 +158,16 @@ class ClusterView:
                    acceptance_prior=tuple(view["acceptance_prior"]))
 
 
+def effective_concurrency(running: int, waiting: int, cluster: ClusterView | None) -> int:
+    """running + waiting (as the engine saw them at its last step, and the requests the
+    replica took since: see `replicas.control_loop.engine_load`), plus what the cluster view
+    says is on its way here. Only the requests in transit come from the view: its counts of
+    this replica's own requests are up to a telemetry period old, and copy-like requests
+    finish within one (a stale count of 11 priced a batch of 2 as 11, and the next exchange
+    undid the switch it made)."""
+    return running + waiting + (cluster.in_transit if cluster is not None else 0)
+
+
 @dataclass(frozen=True)
 class Signals:
     """Engine activity since the previous decision, plus the replica's cluster view.
@@ -213,14 +223,8 @@ class Signals:
 
     @property
     def effective_concurrency(self) -> int:
-        """running + waiting (as the engine saw them at the window's last step, and the
-        requests the replica took since: see `fold_steps`), plus what the
-        cluster view says is on its way here. Only the requests in transit come from the
-        view: its counts of this replica's own requests are up to a telemetry period old,
-        and copy-like requests finish within one (a stale count of 11 priced a batch of 2
-        as 11, and the next exchange undid the switch it made)."""
-        in_transit = self.cluster.in_transit if self.cluster is not None else 0
-        return self.running + self.waiting + in_transit
+        """See `effective_concurrency` (the function)."""
+        return effective_concurrency(self.running, self.waiting, self.cluster)
 
     def verify_batch(self, concurrency: int) -> int:
         """Sequences a step will verify at this concurrency: demand beyond the engine's batch

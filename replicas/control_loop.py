@@ -15,9 +15,35 @@ from dataclasses import dataclass
 
 from policies.base import Policy
 from policies.class_acceptance import ClassPrior
-from policies.signals import ClusterView, Decision, RequestWindows, Signals, StepCost
+from policies.signals import (
+    ClusterView,
+    Decision,
+    RequestWindows,
+    Signals,
+    StepCost,
+    effective_concurrency,
+)
 from replicas.engines.base import Engine, StepRecord, add_per_position
 from replicas.tier_pool import TierPool, TierSwitch
+
+
+def add_steps_per_position(steps: list[StepRecord], accepted: list[int], drafted: list[int],
+                           slots: list[int] | None = None) -> None:
+    """Add the steps' accepted and drafted counts (and their open slots, when `slots` is
+    given) into per-position totals, up to each total's length."""
+    for step in steps:
+        add_per_position(accepted, step.accepted_per_pos)
+        add_per_position(drafted, step.drafted_per_pos)
+        if slots is not None:
+            add_per_position(slots, step.slots_per_pos)
+
+
+def engine_load(last: StepRecord | None, held: int) -> tuple[int, int]:
+    """(running, waiting) as a decision sees them: the engine's counts at its `last` step;
+    and as waiting also those of the `held` requests on the replica that the engine did not
+    run then (taken after the step, on their way in; or finished, the handler not closed)."""
+    running = last.running if last else 0
+    return running, max(last.waiting if last else 0, held - running)
 
 
 def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: int,
@@ -37,15 +63,9 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
     get an empty row in `requests` (priced by their class)."""
     width = max(candidates)
     accepted, drafted, slots = [0] * width, [0] * width, [0] * width
-    for step in steps:
-        add_per_position(accepted, step.accepted_per_pos)
-        add_per_position(drafted, step.drafted_per_pos)
-        add_per_position(slots, step.slots_per_pos)
-    last = steps[-1] if steps else previous
+    add_steps_per_position(steps, accepted, drafted, slots)
     class_prior = class_prior or ClassPrior()
-    running = last.running if last else 0
-    # Requests the replica took after the last step (or before any) are on their way in.
-    waiting = max(last.waiting if last else 0, len(class_prior.class_of) - running)
+    running, waiting = engine_load(steps[-1] if steps else previous, len(class_prior.class_of))
     if requests is not None:
         # Only as many as the batch has free slots, the first taken first: a queue beyond
         # them does not share this batch's steps (under overload it held hundreds).
@@ -125,6 +145,12 @@ class ControlLoop:
                 self._switched_to = None
                 return
             self._stale_steps += 1
+
+    def effective_concurrency(self, held: int, cluster: ClusterView | None) -> int:
+        """The effective concurrency a decision would see now (`held`: the requests on the
+        replica, as `ClassPrior.class_of` gives them to `fold_steps`), between decisions too:
+        the replica's gauge shows what the policy sees, not a second count."""
+        return effective_concurrency(*engine_load(self._last_step, held), cluster)
 
     def check_policy(self, policy: Policy) -> None:
         """Raise ValueError if this engine cannot serve `policy`: one that needs per-request

@@ -27,12 +27,11 @@ from policies.class_acceptance import DEFAULT_CLASS, ClassAcceptance, ClassPrior
 from policies.registry import build_policy, parse_policy_config
 from policies.signals import ClusterView, Decision
 from replicas.chunks import Chunk, coalesce
-from replicas.control_loop import ControlLoop
+from replicas.control_loop import ControlLoop, add_steps_per_position
 from replicas.engines.base import (
     SAMPLING_CONTROLS,
     EngineInputError,
     GenerationRequest,
-    add_per_position,
     period_windows,
 )
 from replicas.engines.factory import build_engine
@@ -212,10 +211,7 @@ class EngineReplica:
         steps, decision, change = await self.loop.tick(self.cluster)
         if steps:
             self.metrics.record_steps(steps)
-            accepted, drafted = self._window
-            for step in steps:
-                add_per_position(accepted, step.accepted_per_pos)
-                add_per_position(drafted, step.drafted_per_pos)
+            add_steps_per_position(steps, *self._window)
         if decision is not None:
             logger.debug("decision K=%d -> %d: %s %s", self.pool.active_k if change is None
                          else change.from_k, decision.k, decision.reason, decision.inputs)
@@ -230,10 +226,9 @@ class EngineReplica:
         self.active_spans.record_tier_switch(change, decision)
 
     def _effective_concurrency(self) -> int:
-        counters = self.engine.counters()
-        # Requests in the handler include those the engine has not admitted yet.
-        local = max(self.ongoing, counters.running + counters.waiting)
-        return local + (self.cluster.in_transit if self.cluster else 0)
+        """What the policy sees (the requests in the handler count as `fold_steps` counts
+        them, from the same mapping)."""
+        return self.loop.effective_concurrency(len(self._request_class), self.cluster)
 
     async def _exchange_with_hub(self) -> None:
         """Push stats, read the cluster view; never waits on a slow or missing hub."""

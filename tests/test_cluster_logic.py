@@ -30,7 +30,7 @@ from policies.class_acceptance import (
     rates_from_counts,
 )
 from policies.registry import build_policy
-from policies.signals import Decision, RequestAcceptance, RequestWindows, Signals
+from policies.signals import ClusterView, Decision, RequestAcceptance, RequestWindows, Signals
 from replicas.control_loop import ControlLoop, fold_steps
 from replicas.engines.base import GenerationRequest, StepRecord, period_windows
 from replicas.engines.sglang_engine import SglangEngine
@@ -461,6 +461,36 @@ def test_an_arrival_decision_keeps_the_engines_batch_and_needs_a_measured_class(
     loop.replace_policy(build_policy({"name": "goodput"}, pool.candidates))
     asyncio.run(loop.tick())
     assert loop.stats.decisions == 3 and loop.stats.last_signals.new_class
+
+
+def test_the_replicas_effective_concurrency_is_what_its_policy_sees_between_decisions_too():
+    """The replica's gauge and its policy count one way: the engine's running and waiting at
+    its last step, the requests the replica holds that the engine did not run then as
+    waiting, and the requests in transit. Requests taken after a decision count at once."""
+    classes = ClassAcceptance()
+    held: dict[str, str] = {}
+    engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, max_num_seqs=4)
+    pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=3)
+    asyncio.run(pool.apply_initial())
+    loop = ControlLoop(engine, pool, build_policy({"name": "static", "k": 3}, pool.candidates),
+                       class_prior=lambda: classes.prior(Counter(held.values()), held))
+    cluster = ClusterView(in_transit=2)
+
+    def decide() -> Signals:
+        for _ in range(loop.decide_every_steps):
+            engine.step()
+        asyncio.run(loop.tick(cluster))
+        return loop.stats.last_signals
+
+    for i in range(6):  # four run, two wait in the engine's queue
+        held[f"r{i}"] = "default"
+        engine.submit(GenerationRequest(f"r{i}", prompt="a b c", max_tokens=200))
+    engine.admit()
+    assert decide().effective_concurrency == 4 + 2 + 2
+    assert loop.effective_concurrency(len(held), cluster) == 8
+    held.update({f"new{i}": "default" for i in range(3)})  # taken, not yet in the engine
+    assert loop.effective_concurrency(len(held), cluster) == 4 + 5 + 2
+    assert decide().effective_concurrency == 11
 
 
 def test_request_windows_gain_an_empty_row_per_request_not_among_them():
