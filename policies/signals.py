@@ -11,12 +11,12 @@ import numpy as np
 
 @dataclass(frozen=True)
 class StepCost:
-    """One observed engine step: how long a verify step of `batch` sequences took with `k`
-    draft tokens per sequence (the tier's K when every sequence proposed K drafts; fewer when
-    the drafter proposed fewer, as prompt lookup does without a match)."""
+    """One observed engine step: how long a verify step of `batch` sequences took with
+    `depth` draft tokens per sequence (the tier's K when every sequence proposed K drafts;
+    fewer when the drafter proposed fewer, as prompt lookup does without a match)."""
 
     batch: int
-    k: int
+    depth: int
     seconds: float
 
 

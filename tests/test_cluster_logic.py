@@ -187,7 +187,7 @@ def test_fold_keeps_per_position_counts_unbiased_across_k_changes():
     assert signals.drafted_per_pos[:3] == (4, 2, 2)
     assert signals.accepted_per_pos[:3] == (4, 2, 1)
     assert (signals.running, signals.waiting, signals.steps) == (2, 1, 2)
-    assert [c.k for c in signals.step_costs] == [7], "a step of unknown time is left out"
+    assert [c.depth for c in signals.step_costs] == [7], "a step of unknown time is left out"
     assert signals.slots_per_pos[:7] == (4,) + (2,) * 6
     assert sum(signals.slots_per_pos) == 2 * 7 + 2 * 1
 
@@ -212,7 +212,7 @@ def test_fold_prices_a_step_by_the_drafts_it_verified():
                       accepted_tokens=6, accepted_per_pos=(1,) * 6 + (0,),
                       drafted_per_pos=(1,) * 6 + (0,))
     signals = fold_steps([step], (0, 1, 7), current_k=7)
-    assert [(c.batch, c.k) for c in signals.step_costs] == [(4, 2)]
+    assert [(c.batch, c.depth) for c in signals.step_costs] == [(4, 2)]
     assert sum(signals.slots_per_pos) == 28
 
 
