@@ -30,9 +30,9 @@ from typing import Any
 from bench.report import compare_to_statics, print_table, verdict
 from policies.class_acceptance import ClassAcceptance, ClassPrior, class_counts
 from policies.registry import build_policy
-from policies.signals import RequestAcceptance, RequestWindows, Signals
+from policies.signals import REQUEST_WINDOW, RequestAcceptance, RequestWindows, Signals
 from replicas.control_loop import ControlLoop
-from replicas.engines.base import REQUEST_WINDOW, GenerationRequest, period_windows
+from replicas.engines.base import GenerationRequest, period_windows
 from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS
 from replicas.tier_pool import TierPool
@@ -160,8 +160,8 @@ def decision_time_us(preset: str, mode: str, repeats: int = 2000) -> float:
     requests = RequestWindows.of([
         RequestAcceptance(f"r{i}", accepted=tuple((i + j) % 4 for j in range(REQUEST_WINDOW)),
                           drafted=(3,) * REQUEST_WINDOW) for i in range(8)])
-    signals = Signals(candidates=CANDIDATES, current_k=3, steps=4, running=8, waiting=0,
-                      drafts=32, draft_tokens=96, accepted_tokens=60,
+    signals = Signals(current_k=3, steps=4, running=8, waiting=0,
+                      drafts=32, accepted_tokens=60,
                       drafting_sequence_steps=32,
                       accepted_per_pos=(28, 20, 12) + (0,) * 12,
                       drafted_per_pos=(32, 32, 32) + (0,) * 12,

@@ -21,8 +21,8 @@ from policies.signals import RequestWindows
 DEFAULT_PRIOR_FIRST = 0.5
 # A shift in first-position acceptance counts only with this many drafts on both sides.
 SHIFT_MIN_DRAFTS = 16
-# After a shift, the prior is left out for this many updates: the fleet's decayed
-# counts lag the same change.
+# After a shift, the prior is left out for this many updates (decisions, drafting or not):
+# the fleet's decayed counts lag the same change.
 PRIOR_PAUSE_UPDATES = 8
 
 
@@ -46,14 +46,16 @@ class AcceptanceWindow:
         (see `GoodputConfig.shift_threshold`) restarts every position: a decay would take
         several decisions to forget the old traffic, and a high phase lasts tens of steps.
         """
+        # The pause runs out with decisions, drafting or not: counted only on drafting ones,
+        # a replica that went to K=0 after a shift kept the prior aside for good.
+        if self._prior_paused:
+            self._prior_paused -= 1
         if not any(drafted):
             return
         if self._shifted(accepted, drafted):
             self.accepted = [0.0] * len(self.accepted)
             self.drafted = [0.0] * len(self.drafted)
             self._prior_paused = PRIOR_PAUSE_UPDATES
-        elif self._prior_paused:
-            self._prior_paused -= 1
         for k in range(len(self.accepted)):
             self.accepted[k] = self.accepted[k] * self.decay + (
                 accepted[k] if k < len(accepted) else 0)
@@ -164,11 +166,15 @@ def batch_acceptance(requests: RequestWindows, landing: list[float], prior_stren
     before it (`survival_counts`), shrunk with `prior_strength` steps towards a guess: what
     the request's class showed before (`request_priors`, one per row; () where unknown), else
     the replica's (`landing[0]`, its per-sequence-step rate, at the first position; its
-    conditional rates past it). A step is evidence only about the positions it reached: a
-    first step without drafts (vLLM's after a prefill) lowers c_0 alone. Counted per position
-    instead, it lowered every position by the same shrinkage, compounded: a copy request two
-    steps old was priced at 2.75 tokens a step at K=15 against its class's 12, and the
-    replica left K=15 for K=3 at the start of every copy request. The class comes first: a
+    conditional rates past it). A step is evidence only about the positions it reached: one
+    that landed nothing lowers c_0 alone. That includes a step at K > 0 whose drafter proposed
+    nothing (vLLM's first after a prefill): the engines record it as K drafts of which none
+    landed (`vllm_hooks`), so c_0, like `landing[0]`, is per sequence-step run at K > 0. A
+    step that offered no draft at all (run at K=0) counts at no position. Counted per position
+    instead, a step that landed nothing lowered every position by the same shrinkage,
+    compounded: a copy request two steps old was priced at 2.75 tokens a step at K=15 against
+    its class's 12, and the replica left K=15 for K=3 at the start of every copy request.
+    The class comes first: a
     request that just arrived has no outcomes yet, and the replica's rates describe the
     traffic before it, which at a change of phase is another class's (a replica fresh from
     copy traffic priced new sampled requests as copy and kept a deep K into the sampled

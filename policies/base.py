@@ -14,10 +14,13 @@ class Policy(Protocol):
     everything it knows arrives through `decide`.
     """
 
-    name: str
     reads_requests: bool
     """Whether `decide` reads `Signals.requests`; engines build those per-request windows
     only for policies that do (a batch's windows at every decision are not free)."""
+    needs_requests: bool
+    """Whether `decide` cannot move K without `Signals.requests` (it reads them); the control
+    loop refuses such a policy on an engine that reports no per-request outcomes (SGLang's),
+    where it would keep its first K for good."""
     decides_on_arrival: bool
     """Whether the control loop asks for a decision as soon as a request of a class the
     replica did not hold arrives, before a window of steps has gathered (a policy that prices

@@ -54,8 +54,8 @@ def lookup(rows: list[tuple[int, int, int]], batch: int) -> int:
 
 
 class BatchTablePolicy:
-    name = "batch_table"
     reads_requests = False
+    needs_requests = False
     decides_on_arrival = False
 
     def __init__(self, config: BatchTableConfig, candidates: tuple[int, ...]):

@@ -45,8 +45,9 @@ class ClassPrior(NamedTuple):
 
     rates: Rates = ()
     fresh: int = 0
-    """Leading positions of `rates` that some replica measured, for every class weighed,
-    within the last `FRESH_PERIODS` telemetry periods."""
+    """Leading positions of `rates` that some replica measured within the last
+    `FRESH_PERIODS` telemetry periods for every class held, not only the classes `rates`
+    weighs: a held class nobody measured lately makes it 0 (see `fresh_depth`)."""
     by_class: Mapping[str, Rates] = {}
     """Per class held, what it showed before (classes nobody measured are left out): a
     request that has not drafted yet is priced by its class, not by the replica's recent

@@ -24,24 +24,32 @@ tier pool are snapped to the nearest tier below.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.signals import Decision, Signals
 from policies.tiers import snap_down
 
+# The limits of the settings a slot may override, shared by the global settings and the
+# slots' overrides: an override outside them fails as the global setting would (an interval
+# of 0 divided by zero at the slot's first update).
+EmaAlpha = Annotated[float, Field(gt=0, le=1)]
+Batches = Annotated[int, Field(ge=0)]
+Interval = Annotated[int, Field(ge=1)]
+CeilingCoeff = Annotated[float, Field(ge=0)]
+
 
 class EmaSlotConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     candidate_steps: list[int] = Field(min_length=1)
-    ema_alpha: float | None = None
-    warmup_batches: int | None = None
-    update_interval: int | None = None
+    ema_alpha: EmaAlpha | None = None
+    warmup_batches: Batches | None = None
+    update_interval: Interval | None = None
     down_hysteresis: float | None = None
     up_hysteresis: float | None = None
-    ceiling_coeff: float | None = None
+    ceiling_coeff: CeilingCoeff | None = None
 
 
 def _sglang_default_slots() -> dict[int, EmaSlotConfig]:
@@ -61,13 +69,14 @@ class EmaConfig(BaseModel):
 
     name: Literal["ema"] = "ema"
     concurrency_source: Literal["local", "effective"] = "effective"
-    ema_alpha: float = Field(0.2, gt=0, le=1)
-    warmup_batches: int = Field(10, ge=0)
-    update_interval: int = Field(5, ge=1)
+    ema_alpha: EmaAlpha = 0.2
+    warmup_batches: Batches = 10
+    update_interval: Interval = 5
     down_hysteresis: float = -0.25
     up_hysteresis: float = 0.0
-    ceiling_coeff: float = Field(0.0, ge=0)
-    slots: dict[int, EmaSlotConfig] = Field(default_factory=_sglang_default_slots)
+    ceiling_coeff: CeilingCoeff = 0.0
+    slots: dict[int, EmaSlotConfig] = Field(default_factory=_sglang_default_slots, min_length=1)
+    """Batch-size lower bound -> slot; at least one (every batch size needs a slot)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -135,8 +144,8 @@ class EmaSlot:
 
 
 class EmaPolicy:
-    name = "ema"
     reads_requests = False
+    needs_requests = False
     decides_on_arrival = False
 
     def __init__(self, config: EmaConfig, candidates: tuple[int, ...]):

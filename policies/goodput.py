@@ -110,11 +110,15 @@ class GoodputConfig(BaseModel):
     min_dwell_steps: int = Field(8, ge=0)
     """Engine steps to stay on a tier after switching."""
     acceptance_decay: float = Field(0.7, gt=0, le=1)
-    """Per-decision decay of the per-position acceptance windows."""
+    """Per-decision decay of the per-position acceptance windows, and of what else describes
+    the traffic: the share of sequence-steps that proposed drafts (`draft_share`) and the
+    drafter's fill per position (`DraftFill`)."""
     shift_threshold: float = Field(0.3, gt=0, le=1)
     """When a window's first-position acceptance differs from the decayed estimate by more
     than this, the traffic changed (a new phase, a new mix): the estimate restarts from that
-    window instead of decaying towards it. 1 never restarts."""
+    window instead of decaying towards it. 1 never restarts. Also how far this replica's own
+    first-position acceptance may be from the prior's before the prior is set aside as
+    describing other traffic (`AcceptanceWindow.uses_prior`)."""
     prior_strength: float = Field(4.0, ge=0)
     """The prior counts as this many drafts at every position."""
     probe_interval_steps: int = Field(256, ge=1)
@@ -152,16 +156,16 @@ def _scores(parts: dict[int, tuple[float, float]], batch: int) -> dict[int, floa
 
 
 class GoodputPolicy:
-    name = "goodput"
     reads_requests = True
+    needs_requests = False  # without them it scores the batch's mean as it is now
     decides_on_arrival = True
 
     def __init__(self, config: GoodputConfig, candidates: tuple[int, ...]):
         self.config = config
         self.candidates = candidates
         self.costs = StepCostModel(config.cost_decay)
-        for batch, k, seconds in config.profile:
-            self.costs.seed(StepCost(batch, k, seconds))
+        for batch, depth, seconds in config.profile:
+            self.costs.seed(StepCost(batch, depth, seconds))
         self.acceptance_width = max(1, max(candidates))
         self.acceptance = AcceptanceWindow(self.acceptance_width, config.acceptance_decay,
                                            config.prior_strength, config.shift_threshold)
@@ -270,7 +274,7 @@ class GoodputPolicy:
         `LEARNED_PROFILE_MIN_STEPS` steps up) and the seeded ones scaled to its measured level
         (see `StepCostModel.profile_rows`). A deployment's `profile` replaced by them starts
         from this machine's costs rather than the shipped ones."""
-        return [(cost.batch, cost.k, round(cost.seconds, 6))
+        return [(cost.batch, cost.depth, round(cost.seconds, 6))
                 for cost in self.costs.profile_rows(LEARNED_PROFILE_MIN_STEPS)]
 
     @property

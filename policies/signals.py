@@ -11,12 +11,12 @@ import numpy as np
 
 @dataclass(frozen=True)
 class StepCost:
-    """One observed engine step: how long a verify step of `batch` sequences took with `k`
-    draft tokens per sequence (the tier's K when every sequence proposed K drafts; fewer when
-    the drafter proposed fewer, as prompt lookup does without a match)."""
+    """One observed engine step: how long a verify step of `batch` sequences took with
+    `depth` draft tokens per sequence (the tier's K when every sequence proposed K drafts;
+    fewer when the drafter proposed fewer, as prompt lookup does without a match)."""
 
     batch: int
-    k: int
+    depth: int
     seconds: float
 
 
@@ -36,6 +36,11 @@ class RequestAcceptance:
         if len(self.accepted) != len(self.drafted):
             raise ValueError(f"request {self.request_id}: {len(self.accepted)} accepted counts "
                              f"for {len(self.drafted)} verify steps")
+
+
+# Verify outcomes an engine keeps per running request (`Engine.request_acceptance`): the
+# widest window a policy can read. DSDE uses 30.
+REQUEST_WINDOW = 30
 
 
 def _no_outcomes() -> np.ndarray:
@@ -126,10 +131,12 @@ class RequestWindows:
                                     tuple(self.drafted[row, width - length:].tolist()))
 
     def clipped(self, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """(drafted, accepted) with drafts beyond `width` left out and no more accepted than
-        drafted. vLLM's windows come from output deltas: when the reader falls behind, one
-        delta carries several steps' tokens, and its step looks like more accepted drafts
-        than the step offered."""
+        """(drafted, accepted) with drafts beyond `width` (the deepest position the reader
+        counts) left out, and no more accepted than drafted (a step that landed more than
+        `width` landed all `width`). A window keeps a request's last `REQUEST_WINDOW` steps,
+        which may have run deeper than a policy's widest tier now: before a run-time change
+        of candidates lowered it. Position counts (`policies.outcomes`) bin the values
+        0..width only; a deeper one would count in the next row's bins."""
         drafted = np.minimum(self.drafted, width)
         return drafted, np.minimum(self.accepted, drafted)
 
@@ -151,6 +158,16 @@ class ClusterView:
                    acceptance_prior=tuple(view["acceptance_prior"]))
 
 
+def effective_concurrency(running: int, waiting: int, cluster: ClusterView | None) -> int:
+    """running + waiting (as the engine saw them at its last step, and the requests the
+    replica took since: see `replicas.control_loop.engine_load`), plus what the cluster view
+    says is on its way here. Only the requests in transit come from the view: its counts of
+    this replica's own requests are up to a telemetry period old, and copy-like requests
+    finish within one (a stale count of 11 priced a batch of 2 as 11, and the next exchange
+    undid the switch it made)."""
+    return running + waiting + (cluster.in_transit if cluster is not None else 0)
+
+
 @dataclass(frozen=True)
 class Signals:
     """Engine activity since the previous decision, plus the replica's cluster view.
@@ -160,7 +177,6 @@ class Signals:
     position k, so `accepted_per_pos[k] / drafted_per_pos[k]` is unbiased when K changes.
     """
 
-    candidates: tuple[int, ...]
     current_k: int
     steps: int
     """Engine steps folded into this window."""
@@ -171,7 +187,6 @@ class Signals:
     drafting_sequence_steps: int = 0
     """Sequence-steps run at K > 0, with or without a proposal: prompt-lookup proposes nothing
     where the context has no match, so `drafts` can be far fewer."""
-    draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: tuple[int, ...] = ()
     drafted_per_pos: tuple[int, ...] = ()
@@ -208,14 +223,8 @@ class Signals:
 
     @property
     def effective_concurrency(self) -> int:
-        """running + waiting (as the engine saw them at the window's last step, and the
-        requests the replica took since: see `fold_steps`), plus what the
-        cluster view says is on its way here. Only the requests in transit come from the
-        view: its counts of this replica's own requests are up to a telemetry period old,
-        and copy-like requests finish within one (a stale count of 11 priced a batch of 2
-        as 11, and the next exchange undid the switch it made)."""
-        in_transit = self.cluster.in_transit if self.cluster is not None else 0
-        return self.running + self.waiting + in_transit
+        """See `effective_concurrency` (the function)."""
+        return effective_concurrency(self.running, self.waiting, self.cluster)
 
     def verify_batch(self, concurrency: int) -> int:
         """Sequences a step will verify at this concurrency: demand beyond the engine's batch

@@ -15,7 +15,8 @@ Differences, said plainly:
 - The batch cap becomes the replica's K, snapped to the nearest candidate not above it. Where
   the engine caps drafts per request (vLLM's synchronous scheduler, the simulator), each
   request whose own length is below that K is capped at it, as in DSDE; elsewhere (vLLM's
-  async scheduler, SGLang) one K serves every request.
+  async scheduler) one K serves every request. An engine that reports no per-request
+  outcomes (SGLang) gives the policy nothing to judge: the control loop refuses it there.
 - A run at the request's depth (K, or its cap) that accepted every draft is cut off by the
   depth, not by the request: it might have accepted more. Such a request's SLmax is the next
   tier up (twice its cap, at most that tier, for a capped one), so the policy can climb
@@ -39,7 +40,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.signals import Decision, RequestWindows, Signals
+from policies.signals import REQUEST_WINDOW, Decision, RequestWindows, Signals
 from policies.tiers import neighbour, snap_down
 
 
@@ -47,7 +48,9 @@ class StabilityConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: Literal["stability"] = "stability"
-    window: int = Field(30, ge=3)
+    window: int = Field(30, ge=3, le=REQUEST_WINDOW)
+    """N, the verify steps a request's length is judged over: at most what an engine keeps
+    per request (a longer one would silently be that)."""
     weight: float = Field(0.9, gt=0, lt=1)
     temperature: float = Field(1.0, gt=0)
     """T in the scale factor (DSDE uses the sampling temperature; 1.0 for greedy traffic)."""
@@ -59,19 +62,20 @@ class StabilityConfig(BaseModel):
     (`Signals.draft_caps_apply`); off: the batch cap alone, one K for every request."""
 
 
-def request_lengths(windows: RequestWindows, config: StabilityConfig,
+def request_lengths(windows: RequestWindows, config: StabilityConfig, width: int,
                     current: int | np.ndarray, next_tier: int | np.ndarray) -> np.ndarray:
     """DSDE's speculation length per request, 0 for a request with fewer than three drafting
     steps; `next_tier` is SLmax for a request whose window holds a run at the `current` depth
     that accepted every draft (cut off by the depth); each is one depth for every request or
-    one per request. Vectorised over requests: a row holds
-    a request's steps that drafted, the last `config.window` of them, right-aligned, so one
-    set of geometric weights (newest 1) serves every row."""
-    columns = windows.drafted.shape[1]
+    one per request. A step counts up to `width` drafts, the widest tier
+    (`RequestWindows.clipped`). Vectorised over requests: a row holds a request's steps that
+    drafted, the last `config.window` of them, right-aligned, so one set of geometric weights
+    (newest 1) serves every row."""
+    drafted, accepted = windows.clipped(width)
+    columns = drafted.shape[1]
     column = np.arange(columns)
-    drafting = windows.drafted > 0
+    drafting = drafted > 0
     drafting_steps = drafting.sum(axis=1)
-    accepted, drafted = windows.accepted, windows.drafted
     if not (drafting == (column >= columns - drafting_steps[:, None])).all():
         # Move each row's drafting steps to its end, in order (K=0 steps carry no signal).
         order = np.argsort(np.where(drafting, column, -1), axis=1, kind="stable")
@@ -117,8 +121,8 @@ def _weighted_variance(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 
 class StabilityPolicy:
-    name = "stability"
     reads_requests = True
+    needs_requests = True
     decides_on_arrival = False
 
     def __init__(self, config: StabilityConfig, candidates: tuple[int, ...]):
@@ -146,9 +150,10 @@ class StabilityPolicy:
         depths = np.array([min(current, self._caps.get(request_id, current))
                            for request_id in requests.request_ids], dtype=np.int64)
         next_depths = np.where(depths < current, np.minimum(2 * depths, next_tier), next_tier)
-        lengths = request_lengths(requests, self.config, depths, next_depths)
-        drafted = int(requests.drafted.sum())
-        accepted = int(requests.accepted.sum())
+        lengths = request_lengths(requests, self.config, self.candidates[-1], depths,
+                                  next_depths)
+        drafted, accepted = (int(counts.sum())
+                             for counts in requests.clipped(self.candidates[-1]))
         if drafted and accepted / drafted < self.config.off_below:
             return Decision(snap_down(0, self.candidates), "acceptance below the floor",
                             {"acceptance": accepted / drafted})

@@ -18,8 +18,8 @@ class StaticConfig(BaseModel):
 
 
 class StaticPolicy:
-    name = "static"
     reads_requests = False
+    needs_requests = False
     decides_on_arrival = False
 
     def __init__(self, config: StaticConfig, candidates: tuple[int, ...]):

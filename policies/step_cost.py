@@ -21,56 +21,59 @@ P = TypeVar("P")  # the point type of a cost table (see _predict_row)
 
 
 class StepCostModel:
-    """Per K, step seconds measured at each batch size, interpolated piecewise-linearly in
-    batch size: it follows the knee between the memory-bound regime (flat in batch x K) and
-    the compute-bound one, which one straight line would smear.
+    """Per draft depth (draft tokens per sequence a step verified), step seconds measured at
+    each batch size, interpolated piecewise-linearly in batch size: it follows the knee
+    between the memory-bound regime (flat in batch x depth) and the compute-bound one, which
+    one straight line would smear.
 
     Step wall times on a shared machine jitter by tens of percent, so two rules keep noise
     from choosing the tier:
     - a point is a running mean that becomes an EWMA (a new step weighs at least 1 - decay);
       a batch size seen for the first time starts from what its neighbours predict, worth
       `PRIOR_STEPS` steps, rather than from one raw sample;
-    - at a batch size, predictions never fall as K grows (verifying more tokens does not cost
-      less): a deep tier that looked cheap by luck would otherwise win with nothing accepted.
+    - at a batch size, predictions never fall as the depth grows (verifying more tokens does
+      not cost less): a deep tier that looked cheap by luck would otherwise win with nothing
+      accepted.
 
-    A profile (`seed`) gives the shape across batch and K, not the level: in the serving app a
-    step also carries prefills, streaming and the other processes on the machine, and costs
-    more than the engine alone in `bench.engine_bench`. Unscaled, every tier not yet measured
-    would look cheap, and the policy would cycle through them (each measurement making the
-    next unmeasured tier the best). So profiled points not yet measured are scaled by the
-    running ratio of measured steps to what the profile predicts for them.
+    A profile (`seed`) gives the shape across batch and depth, not the level: in the serving
+    app a step also carries prefills, streaming and the other processes on the machine, and
+    costs more than the engine alone in `bench.engine_bench`. Unscaled, every tier not yet
+    measured would look cheap, and the policy would cycle through them (each measurement
+    making the next unmeasured tier the best). So profiled points not yet measured are
+    scaled by the running ratio of measured steps to what the profile predicts for them.
     """
 
     PRIOR_STEPS = 4.0
 
     def __init__(self, decay: float):
         self.max_weight = math.inf if decay >= 1 else 1 / (1 - decay)
-        self._points: dict[int, dict[int, _CostPoint]] = {}  # k -> batch -> point
-        self._profile: dict[int, dict[int, float]] = {}  # k -> batch -> profiled seconds
-        self._profiled: dict[tuple[int, int], float | None] = {}  # (batch, k) -> prediction
+        self._points: dict[int, dict[int, _CostPoint]] = {}  # depth -> batch -> point
+        self._profile: dict[int, dict[int, float]] = {}  # depth -> batch -> profiled seconds
+        # (batch, depth) -> prediction
+        self._profiled: dict[tuple[int, int], float | None] = {}
         self.scale, self._scale_weight = 1.0, self.PRIOR_STEPS
         """Measured step time over the profile's prediction (1 without a profile)."""
 
     def seed(self, cost: StepCost) -> None:
         """A profiled point, worth `PRIOR_STEPS` measured steps."""
-        self._points.setdefault(cost.k, {})[cost.batch] = _CostPoint(
+        self._points.setdefault(cost.depth, {})[cost.batch] = _CostPoint(
             cost.seconds, self.PRIOR_STEPS, measured=False)
-        self._profile.setdefault(cost.k, {})[cost.batch] = cost.seconds
+        self._profile.setdefault(cost.depth, {})[cost.batch] = cost.seconds
         self._profiled.clear()
 
     def observe(self, cost: StepCost) -> None:
         if cost.seconds <= 0 or cost.batch <= 0:
             return
-        profiled = self._profiled_seconds(cost.batch, cost.k)
+        profiled = self._profiled_seconds(cost.batch, cost.depth)
         if profiled is not None:
             self._scale_weight = min(self._scale_weight + 1, self.max_weight)
             self.scale += (cost.seconds / profiled - self.scale) / self._scale_weight
-        point = self._points.get(cost.k, {}).get(cost.batch)
+        point = self._points.get(cost.depth, {}).get(cost.batch)
         if point is None or not point.measured:
-            guess = self.predict(cost.batch, cost.k)
+            guess = self.predict(cost.batch, cost.depth)
             point = _CostPoint(cost.seconds, 0.0) if guess is None else \
                 _CostPoint(guess, self.PRIOR_STEPS)
-            self._points.setdefault(cost.k, {})[cost.batch] = point
+            self._points.setdefault(cost.depth, {})[cost.batch] = point
         point.weight = min(point.weight + 1, self.max_weight)
         point.seconds += (cost.seconds - point.seconds) / point.weight
         point.steps += 1
@@ -84,31 +87,31 @@ class StepCostModel:
         the profile it was given."""
         rows = []
         # Copies: the admin route may read this while the control loop observes steps.
-        for k, by_batch in list(self._points.items()):
+        for depth, by_batch in list(self._points.items()):
             for batch, point in list(by_batch.items()):
                 if not point.measured or point.steps >= min_steps:
-                    rows.append(StepCost(batch, k, self._value(point)))
-        return sorted(rows, key=lambda cost: (cost.batch, cost.k))
+                    rows.append(StepCost(batch, depth, self._value(point)))
+        return sorted(rows, key=lambda cost: (cost.batch, cost.depth))
 
-    def _profiled_seconds(self, batch: int, k: int) -> float | None:
+    def _profiled_seconds(self, batch: int, depth: int) -> float | None:
         """What the profile alone predicts for a step (None without a profile); memoised:
         every observed step asks, and the profile only changes when seeded."""
-        key = (batch, k)
+        key = (batch, depth)
         if key not in self._profiled:
-            self._profiled[key] = _predict_row(self._profile, float, batch, (k,)).get(k)
+            self._profiled[key] = _predict_row(self._profile, float, batch, (depth,)).get(depth)
         return self._profiled[key]
 
     def _value(self, point: _CostPoint) -> float:
         return point.seconds if point.measured else point.seconds * self.scale
 
-    def predict_row(self, batch: int, ks: tuple[float, ...]) -> dict[float, float]:
-        """Seconds of a step of `batch` sequences at each depth in `ks` (empty before any
+    def predict_row(self, batch: int, depths: tuple[float, ...]) -> dict[float, float]:
+        """Seconds of a step of `batch` sequences at each depth in `depths` (empty before any
         measurement or profile); an unmeasured depth is interpolated (or extrapolated)
-        linearly in K between known neighbours."""
-        return _predict_row(self._points, self._value, batch, ks)
+        linearly in depth between known neighbours."""
+        return _predict_row(self._points, self._value, batch, depths)
 
-    def predict(self, batch: int, k: float) -> float | None:
-        return self.predict_row(batch, (k,)).get(k)
+    def predict(self, batch: int, depth: float) -> float | None:
+        return self.predict_row(batch, (depth,)).get(depth)
 
 
 @dataclass(slots=True)
@@ -123,29 +126,30 @@ class _CostPoint:
 
 
 def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], batch: int,
-                 ks: tuple[float, ...]) -> dict[float, float]:
-    """Per K in `ks`, the cost at `batch` from a table of k -> batch -> point: piecewise-linear
-    in batch per known K, made non-decreasing in K, then piecewise-linear in K.
+                 depths: tuple[float, ...]) -> dict[float, float]:
+    """Per depth in `depths`, the cost at `batch` from a table of depth -> batch -> point:
+    piecewise-linear in batch per known depth, made non-decreasing in depth, then
+    piecewise-linear in depth.
 
     Only the depths measured on both sides of `batch` (or at it) take part while there are
     two: a depth seen at one far batch size would otherwise be extrapolated flat to every
-    batch size, and, costs being made non-decreasing in K, lift every deeper tier with it
+    batch size, and, costs being made non-decreasing in depth, lift every deeper tier with it
     (capped steps verify depths between the tiers: one such step at batch 64 priced K=15 at
     batch 1 at 82 ms against its measured 12)."""
     known = sorted(table)
-    bracketing = [k for k in known if min(table[k]) <= batch <= max(table[k])]
+    bracketing = [d for d in known if min(table[d]) <= batch <= max(table[d])]
     if len(bracketing) >= 2:
         known = bracketing
     if not known:
         return {}
     at_batch, floor = {}, 0.0
-    for k in known:
-        points = table[k]
+    for depth in known:
+        points = table[depth]
         here = value(points[batch]) if batch in points else \
             _interpolate(batch, sorted(points), lambda b, points=points: value(points[b]))
         floor = max(floor, here)
-        at_batch[k] = floor
-    return {k: _interpolate(k, known, at_batch.__getitem__) for k in ks}
+        at_batch[depth] = floor
+    return {d: _interpolate(d, known, at_batch.__getitem__) for d in depths}
 
 
 def _interpolate(x: float, known: list[int], value_at: Callable[[int], float]) -> float:

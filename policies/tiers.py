@@ -9,6 +9,7 @@ def snap_down(k: int, candidates: tuple[int, ...]) -> int:
 
 
 def neighbour(k: int, candidates: tuple[int, ...], step: int) -> int:
-    """The candidate `step` places above (+) or below (-) the candidate nearest `k`."""
+    """The candidate `step` places above (+) or below (-) `snap_down(k)`, the largest
+    candidate not above `k`; clamped to the first and last candidates."""
     index = candidates.index(snap_down(k, candidates))
     return candidates[min(len(candidates) - 1, max(0, index + step))]

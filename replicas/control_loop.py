@@ -15,9 +15,35 @@ from dataclasses import dataclass
 
 from policies.base import Policy
 from policies.class_acceptance import ClassPrior
-from policies.signals import ClusterView, Decision, RequestWindows, Signals, StepCost
+from policies.signals import (
+    ClusterView,
+    Decision,
+    RequestWindows,
+    Signals,
+    StepCost,
+    effective_concurrency,
+)
 from replicas.engines.base import Engine, StepRecord, add_per_position
 from replicas.tier_pool import TierPool, TierSwitch
+
+
+def add_steps_per_position(steps: list[StepRecord], accepted: list[int], drafted: list[int],
+                           slots: list[int] | None = None) -> None:
+    """Add the steps' accepted and drafted counts (and their open slots, when `slots` is
+    given) into per-position totals, up to each total's length."""
+    for step in steps:
+        add_per_position(accepted, step.accepted_per_pos)
+        add_per_position(drafted, step.drafted_per_pos)
+        if slots is not None:
+            add_per_position(slots, step.slots_per_pos)
+
+
+def engine_load(last: StepRecord | None, held: int) -> tuple[int, int]:
+    """(running, waiting) as a decision sees them: the engine's counts at its `last` step;
+    and as waiting also those of the `held` requests on the replica that the engine did not
+    run then (taken after the step, on their way in; or finished, the handler not closed)."""
+    running = last.running if last else 0
+    return running, max(last.waiting if last else 0, held - running)
 
 
 def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: int,
@@ -37,24 +63,18 @@ def fold_steps(steps: list[StepRecord], candidates: tuple[int, ...], current_k: 
     get an empty row in `requests` (priced by their class)."""
     width = max(candidates)
     accepted, drafted, slots = [0] * width, [0] * width, [0] * width
-    for step in steps:
-        add_per_position(accepted, step.accepted_per_pos)
-        add_per_position(drafted, step.drafted_per_pos)
-        add_per_position(slots, step.slots_per_pos)
-    last = steps[-1] if steps else previous
+    add_steps_per_position(steps, accepted, drafted, slots)
     class_prior = class_prior or ClassPrior()
-    running = last.running if last else 0
-    # Requests the replica took after the last step (or before any) are on their way in.
-    waiting = max(last.waiting if last else 0, len(class_prior.class_of) - running)
+    running, waiting = engine_load(steps[-1] if steps else previous, len(class_prior.class_of))
     if requests is not None:
         # Only as many as the batch has free slots, the first taken first: a queue beyond
         # them does not share this batch's steps (under overload it held hundreds).
         free = max(0, max_batch - len(requests)) if max_batch else None
         requests = requests.with_new(class_prior.class_of, free)
     return Signals(
-        candidates=candidates, current_k=current_k, steps=len(steps),
+        current_k=current_k, steps=len(steps),
         running=running, waiting=waiting,
-        drafts=sum(s.drafts for s in steps), draft_tokens=sum(s.draft_tokens for s in steps),
+        drafts=sum(s.drafts for s in steps),
         drafting_sequence_steps=sum(s.running for s in steps if s.k > 0),
         accepted_tokens=sum(s.accepted_tokens for s in steps),
         accepted_per_pos=tuple(accepted), drafted_per_pos=tuple(drafted),
@@ -82,7 +102,6 @@ class LoopStats:
     max_effective_concurrency: int = 0
     max_local_batch: int = 0
     last_signals: Signals | None = None
-    last_decision: Decision | None = None
 
 
 class ControlLoop:
@@ -93,11 +112,12 @@ class ControlLoop:
                  on_switch_lag: Callable[[int], None] | None = None):
         self.engine = engine
         self.pool = pool
-        self.policy = policy
         self.decide_every_steps = decide_every_steps
         # Per-request outcomes, from engines that can attribute acceptance (see `Engine`).
         self._request_acceptance: Callable[[], RequestWindows] | None = \
             getattr(engine, "request_acceptance", None)
+        self.check_policy(policy)
+        self.policy = policy
         self.max_batch = max_batch
         self._class_prior = class_prior
         # Per-request draft caps, on engines that apply them (see `Decision.draft_caps`).
@@ -126,7 +146,23 @@ class ControlLoop:
                 return
             self._stale_steps += 1
 
+    def effective_concurrency(self, held: int, cluster: ClusterView | None) -> int:
+        """The effective concurrency a decision would see now (`held`: the requests on the
+        replica, as `ClassPrior.class_of` gives them to `fold_steps`), between decisions too:
+        the replica's gauge shows what the policy sees, not a second count."""
+        return effective_concurrency(*engine_load(self._last_step, held), cluster)
+
+    def check_policy(self, policy: Policy) -> None:
+        """Raise ValueError if this engine cannot serve `policy`: one that needs per-request
+        outcomes (`Policy.needs_requests`) on an engine that reports none would never move
+        K, and say only that it has no request history yet."""
+        if policy.needs_requests and self._request_acceptance is None:
+            raise ValueError(f"{type(policy).__name__} needs per-request verify outcomes, "
+                             f"which the {self.engine.name} engine does not report; "
+                             "choose another policy")
+
     def replace_policy(self, policy: Policy) -> None:
+        self.check_policy(policy)
         self.policy = policy
         self._pending.clear()
         self._classes_decided = set()  # the new policy has priced no class yet
@@ -165,7 +201,7 @@ class ControlLoop:
         decision = self.policy.decide(signals)
         self.stats.last_decision_seconds = time.perf_counter() - started
         self.stats.decisions += 1
-        self.stats.last_signals, self.stats.last_decision = signals, decision
+        self.stats.last_signals = signals
         self.stats.max_effective_concurrency = max(self.stats.max_effective_concurrency,
                                                    signals.effective_concurrency)
         self.stats.max_local_batch = max(self.stats.max_local_batch, signals.local_batch)

@@ -22,21 +22,21 @@ from ray import serve
 
 from observability import tracing
 from observability.metrics import ReplicaMetrics
+from policies.base import Policy
 from policies.class_acceptance import DEFAULT_CLASS, ClassAcceptance, ClassPrior, class_counts
 from policies.registry import build_policy, parse_policy_config
 from policies.signals import ClusterView, Decision
 from replicas.chunks import Chunk, coalesce
-from replicas.control_loop import ControlLoop
+from replicas.control_loop import ControlLoop, add_steps_per_position
 from replicas.engines.base import (
     SAMPLING_CONTROLS,
     EngineInputError,
     GenerationRequest,
-    add_per_position,
     period_windows,
 )
 from replicas.engines.factory import build_engine
 from replicas.engines.spec import EngineSpec
-from replicas.tier_pool import TierPool, TierSwitch
+from replicas.tier_pool import TierPool, TierSwitch, validate_candidates
 
 # Serve's logger: lines land in the replica's log file with Serve's request context, and the
 # deployment's `logging_config` sets their level (DEBUG shows every tier decision).
@@ -211,10 +211,7 @@ class EngineReplica:
         steps, decision, change = await self.loop.tick(self.cluster)
         if steps:
             self.metrics.record_steps(steps)
-            accepted, drafted = self._window
-            for step in steps:
-                add_per_position(accepted, step.accepted_per_pos)
-                add_per_position(drafted, step.drafted_per_pos)
+            add_steps_per_position(steps, *self._window)
         if decision is not None:
             logger.debug("decision K=%d -> %d: %s %s", self.pool.active_k if change is None
                          else change.from_k, decision.k, decision.reason, decision.inputs)
@@ -229,10 +226,9 @@ class EngineReplica:
         self.active_spans.record_tier_switch(change, decision)
 
     def _effective_concurrency(self) -> int:
-        counters = self.engine.counters()
-        # Requests in the handler include those the engine has not admitted yet.
-        local = max(self.ongoing, counters.running + counters.waiting)
-        return local + (self.cluster.in_transit if self.cluster else 0)
+        """What the policy sees (the requests in the handler count as `fold_steps` counts
+        them, from the same mapping)."""
+        return self.loop.effective_concurrency(len(self._request_class), self.cluster)
 
     async def _exchange_with_hub(self) -> None:
         """Push stats, read the cluster view; never waits on a slow or missing hub."""
@@ -316,17 +312,26 @@ class EngineReplica:
                 getattr(self._hub, method).remote(argument)
 
     async def _apply_config(self, user_config: dict[str, Any]) -> None:
+        config: Any = None
+        policy: Policy | None = None
+        if "policy" in user_config or "candidates" in user_config:
+            # A policy chooses among the tiers it was built with: new candidates rebuild it
+            # (its learned state starts over, as on a change of policy). Built and checked
+            # before anything changes: a policy this engine cannot serve leaves all as it was.
+            config = parse_policy_config(user_config.get("policy", self.policy_config))
+            candidates = validate_candidates(user_config["candidates"], self.engine.kmax,
+                                             user_config.get("initial_k")) \
+                if "candidates" in user_config else self.pool.candidates
+            policy = build_policy(config, candidates)
+            self.loop.check_policy(policy)
         if "candidates" in user_config:
             change = await self.pool.set_candidates(user_config["candidates"],
                                                     user_config.get("initial_k"))
             self.metrics.set_candidates(self.pool.candidates)
             if change is not None:
                 self._note_switch(change, Decision(change.to_k, "candidate tiers changed"))
-        if "policy" in user_config or "candidates" in user_config:
-            # A policy chooses among the tiers it was built with: new candidates rebuild it
-            # (its learned state starts over, as on a change of policy).
-            config = parse_policy_config(user_config.get("policy", self.policy_config))
-            self.loop.replace_policy(build_policy(config, self.pool.candidates))
+        if policy is not None:
+            self.loop.replace_policy(policy)
             self.policy_config = config.model_dump()
             if config.name == "static":  # apply at once rather than at the next decision
                 change = await self.pool.switch(self.loop.policy.k)

@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from policies.tiers import snap_down
 from replicas.engines.base import Engine
 
 
@@ -96,7 +97,6 @@ class TierPool:
             elif self.active_k in candidates:
                 target = self.active_k
             else:  # the nearest candidate not above the old K, else the smallest
-                target = max((k for k in candidates if k <= self.active_k),
-                             default=candidates[0])
+                target = snap_down(self.active_k, candidates)
             self.candidates = candidates
             return await self._switch(target)

@@ -30,11 +30,13 @@ from policies.class_acceptance import (
     rates_from_counts,
 )
 from policies.registry import build_policy
-from policies.signals import Decision, RequestAcceptance, RequestWindows, Signals
+from policies.signals import ClusterView, Decision, RequestAcceptance, RequestWindows, Signals
 from replicas.control_loop import ControlLoop, fold_steps
 from replicas.engines.base import GenerationRequest, StepRecord, period_windows
+from replicas.engines.sglang_engine import SglangEngine
 from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS
+from replicas.engines.spec import EngineSpec
 from replicas.tier_pool import TierPool
 
 
@@ -185,7 +187,7 @@ def test_fold_keeps_per_position_counts_unbiased_across_k_changes():
     assert signals.drafted_per_pos[:3] == (4, 2, 2)
     assert signals.accepted_per_pos[:3] == (4, 2, 1)
     assert (signals.running, signals.waiting, signals.steps) == (2, 1, 2)
-    assert [c.k for c in signals.step_costs] == [7], "a step of unknown time is left out"
+    assert [c.depth for c in signals.step_costs] == [7], "a step of unknown time is left out"
     assert signals.slots_per_pos[:7] == (4,) + (2,) * 6
     assert sum(signals.slots_per_pos) == 2 * 7 + 2 * 1
 
@@ -210,8 +212,8 @@ def test_fold_prices_a_step_by_the_drafts_it_verified():
                       accepted_tokens=6, accepted_per_pos=(1,) * 6 + (0,),
                       drafted_per_pos=(1,) * 6 + (0,))
     signals = fold_steps([step], (0, 1, 7), current_k=7)
-    assert [(c.batch, c.k) for c in signals.step_costs] == [(4, 2)]
-    assert (signals.draft_tokens, sum(signals.slots_per_pos)) == (6, 28)
+    assert [(c.batch, c.depth) for c in signals.step_costs] == [(4, 2)]
+    assert sum(signals.slots_per_pos) == 28
 
 
 def test_simulator_outputs_do_not_depend_on_k_and_control_loop_switches():
@@ -336,6 +338,26 @@ def test_control_loop_hands_request_windows_to_the_policies_that_read_them(polic
     assert all(len(r.drafted) == loop.decide_every_steps for r in requests)
 
 
+def test_a_policy_that_needs_per_request_outcomes_is_refused_on_an_engine_without_them():
+    """SGLang's adapter reports no per-request outcomes: there `stability` would answer "no
+    request history yet" at every decision and never move K. The loop refuses it when built
+    with it and when it is set later (keeping the policy it had); the simulator, which
+    reports them as vLLM does, serves it."""
+    engine = SglangEngine(EngineSpec(engine="sglang", drafter="eagle", kmax=7))
+    pool = TierPool(engine, (0, 1, 3, 7))
+    stability = build_policy({"name": "stability"}, pool.candidates)
+    with pytest.raises(ValueError, match="per-request verify outcomes"):
+        ControlLoop(engine, pool, stability)
+    loop = ControlLoop(engine, pool, build_policy({"name": "goodput"}, pool.candidates))
+    goodput = loop.policy
+    with pytest.raises(ValueError, match="per-request verify outcomes"):
+        loop.replace_policy(stability)
+    assert loop.policy is goodput
+    simulator = SimulatedEngine(PRESETS["cpu-demo"], kmax=7)
+    assert ControlLoop(simulator, TierPool(simulator, (0, 1, 3, 7)), stability).policy \
+        is stability
+
+
 def test_control_loop_times_each_decision_on_its_own():
     """The decision-time histogram takes each decision's wall time: one slow decision must
     show in its tail, not be averaged away with the fast ones before it."""
@@ -347,7 +369,7 @@ def test_control_loop_times_each_decision_on_its_own():
     delays = iter([0.0, 0.0, 0.0, 0.05])
 
     class Timed:
-        name, reads_requests, decides_on_arrival = "timed", False, False
+        reads_requests, needs_requests, decides_on_arrival = False, False, False
 
         def decide(self, signals):
             time.sleep(next(delays))
@@ -439,6 +461,36 @@ def test_an_arrival_decision_keeps_the_engines_batch_and_needs_a_measured_class(
     loop.replace_policy(build_policy({"name": "goodput"}, pool.candidates))
     asyncio.run(loop.tick())
     assert loop.stats.decisions == 3 and loop.stats.last_signals.new_class
+
+
+def test_the_replicas_effective_concurrency_is_what_its_policy_sees_between_decisions_too():
+    """The replica's gauge and its policy count one way: the engine's running and waiting at
+    its last step, the requests the replica holds that the engine did not run then as
+    waiting, and the requests in transit. Requests taken after a decision count at once."""
+    classes = ClassAcceptance()
+    held: dict[str, str] = {}
+    engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, max_num_seqs=4)
+    pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=3)
+    asyncio.run(pool.apply_initial())
+    loop = ControlLoop(engine, pool, build_policy({"name": "static", "k": 3}, pool.candidates),
+                       class_prior=lambda: classes.prior(Counter(held.values()), held))
+    cluster = ClusterView(in_transit=2)
+
+    def decide() -> Signals:
+        for _ in range(loop.decide_every_steps):
+            engine.step()
+        asyncio.run(loop.tick(cluster))
+        return loop.stats.last_signals
+
+    for i in range(6):  # four run, two wait in the engine's queue
+        held[f"r{i}"] = "default"
+        engine.submit(GenerationRequest(f"r{i}", prompt="a b c", max_tokens=200))
+    engine.admit()
+    assert decide().effective_concurrency == 4 + 2 + 2
+    assert loop.effective_concurrency(len(held), cluster) == 8
+    held.update({f"new{i}": "default" for i in range(3)})  # taken, not yet in the engine
+    assert loop.effective_concurrency(len(held), cluster) == 4 + 5 + 2
+    assert decide().effective_concurrency == 11
 
 
 def test_request_windows_gain_an_empty_row_per_request_not_among_them():
@@ -570,7 +622,7 @@ def test_simulator_caps_a_requests_drafts_and_its_step_cost_follows():
 
 def test_control_loop_sends_a_policys_caps_and_lifts_them_for_a_policy_without():
     class Capping:
-        name, reads_requests, decides_on_arrival = "capping", False, False
+        reads_requests, needs_requests, decides_on_arrival = False, False, False
 
         def decide(self, signals: Signals) -> Decision:
             assert signals.draft_caps_apply

@@ -27,10 +27,11 @@ from bench.cluster.load import Arrival, LoadShape, workload
 from bench.cluster.report import gathering_bound
 from bench.cluster.runs import CAPACITY_RESOLUTION, Run, run_one, slo_capacity
 from bench.policy_replay import CANDIDATES
+from policies.batch_table import BatchTablePolicy
 from policies.class_acceptance import class_counts
 from policies.registry import build_policy
-from policies.signals import Signals
-from replicas.engines.base import REQUEST_WINDOW, GenerationRequest
+from policies.signals import REQUEST_WINDOW, Signals
+from replicas.engines.base import GenerationRequest
 from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS
 
@@ -175,7 +176,7 @@ def test_oracle_picks_the_true_best_k(request_class, requests, expected_k):
     verify cost grows with batch x K past its knee)."""
     engine = _engine_with(request_class, requests)
     oracle = OracleK(engine, CANDIDATES)
-    signals = Signals(candidates=CANDIDATES, current_k=3, steps=1, running=0, waiting=requests)
+    signals = Signals(current_k=3, steps=1, running=0, waiting=requests)
     preset, acceptance = PRESETS[PRESET], PRESETS[PRESET].acceptance[request_class]
     rate = {k: (1 + acceptance.mean_run(k)) / preset.step_seconds(requests, k)
             for k in CANDIDATES}
@@ -190,7 +191,7 @@ def test_oracle_scores_a_mixed_batch_by_its_steady_state():
     for i in range(8):
         engine.submit(GenerationRequest(request_id=f"c{i}", prompt="sim", max_tokens=64,
                                         request_class="low_1"))
-    signals = Signals(candidates=CANDIDATES, current_k=3, steps=1, running=0, waiting=16)
+    signals = Signals(current_k=3, steps=1, running=0, waiting=16)
     assert OracleK(engine, CANDIDATES).decide(signals).k == 3
 
 
@@ -305,4 +306,4 @@ def test_vllms_batch_table_is_tuned_to_the_runs_class_mix_as_an_operator_would()
     config = policy_for("batch_table", batch_table=rows)
     assert config["num_speculative_tokens_per_batch_size"] == rows
     assert config["concurrency_source"] == "local"
-    assert build_policy(config, CANDIDATES).name == "batch_table"
+    assert isinstance(build_policy(config, CANDIDATES), BatchTablePolicy)

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from policies.acceptance import (
+    PRIOR_PAUSE_UPDATES,
     AcceptanceWindow,
     BatchAcceptance,
     batch_acceptance,
@@ -21,6 +23,7 @@ from policies.ema import EmaConfig, EmaPolicy
 from policies.goodput import GoodputConfig, GoodputPolicy
 from policies.registry import POLICY_NAMES, build_policy
 from policies.signals import (
+    REQUEST_WINDOW,
     ClusterView,
     Decision,
     RequestAcceptance,
@@ -51,8 +54,8 @@ def window(k: int, acceptance: float, batch: int = 4, steps: int = 4,
     accepted = tuple(round(drafts * acceptance ** (pos + 1)) if pos < k else 0
                      for pos in range(15))
     drafted = tuple(drafts if pos < k else 0 for pos in range(15))
-    return Signals(candidates=CANDIDATES, current_k=k, steps=steps, running=batch, waiting=0,
-                   drafts=drafts, draft_tokens=drafts * k, accepted_tokens=sum(accepted),
+    return Signals(current_k=k, steps=steps, running=batch, waiting=0,
+                   drafts=drafts, accepted_tokens=sum(accepted),
                    drafting_sequence_steps=batch * steps if k else 0,
                    slots_per_pos=tuple(batch * steps if pos < k else 0 for pos in range(15)),
                    accepted_per_pos=accepted, drafted_per_pos=drafted, cluster=cluster)
@@ -125,6 +128,19 @@ def test_ema_accepts_sglang_json_as_is():
     assert config.slots[1].down_hysteresis == -0.5
     assert config.slots[8].candidate_steps == [0, 1]
     assert config.ema_alpha == 0.3
+
+
+@pytest.mark.parametrize("config", [
+    {"1": {"candidate_steps": [1, 3], "update_interval": 0}},  # divided by zero at update
+    {"1": {"candidate_steps": [1, 3], "ema_alpha": 5}},  # the EMA grows without bound
+    {"1": {"candidate_steps": [1, 3], "ema_alpha": 0}},
+    {"1": {"candidate_steps": [1, 3], "warmup_batches": -1}},
+    {"1": {"candidate_steps": [1, 3], "ceiling_coeff": -1}},
+    {"slots": {}},  # no slot serves any batch (IndexError at the first decision)
+])
+def test_ema_slot_overrides_are_held_to_the_global_limits(config):
+    with pytest.raises(ValidationError):
+        EmaConfig.model_validate(config)
 
 
 # ---- batch_table: vLLM's schema and semantics ----------------------------------------------------
@@ -754,6 +770,23 @@ def test_goodput_restarts_its_estimate_when_the_traffic_shifts():
     assert first_decision_of_the_new_phase(shift_threshold=1.0) <= 3
 
 
+def test_the_prior_set_aside_at_a_shift_comes_back_after_a_few_decisions_at_k0():
+    """A shift sets the fleet's prior aside for `PRIOR_PAUSE_UPDATES` decisions (its counts
+    lag the same change). A replica that goes to K=0 after the shift drafts nothing, and its
+    decisions still count: it takes the prior back after as many, not never."""
+    acceptance = AcceptanceWindow(15, decay=0.7, prior_strength=4.0, shift_threshold=0.3)
+    prior = (0.9,) * 15
+    acceptance.update((2,) + (0,) * 14, (20,) + (0,) * 14)  # 0.1 lands
+    acceptance.update((19,) + (0,) * 14, (20,) + (0,) * 14)  # 0.95: a shift
+    assert not acceptance.uses_prior(prior)
+    nothing = (0,) * 15
+    for _ in range(PRIOR_PAUSE_UPDATES - 1):
+        acceptance.update(nothing, nothing)
+    assert not acceptance.uses_prior(prior)
+    acceptance.update(nothing, nothing)
+    assert acceptance.uses_prior(prior)
+
+
 def test_goodput_sets_aside_a_prior_its_own_first_position_contradicts():
     """Prompt lookup on sampled text rarely proposes, so a low phase leaves too little history
     to call a shift; the fleet prior still says deep drafts fail. Once this replica measures
@@ -850,7 +883,8 @@ def with_requests(signals: Signals, *requests: RequestAcceptance) -> Signals:
 
 def request_length(request: RequestAcceptance, config: StabilityConfig, current: int,
                    next_tier: int) -> int:
-    return int(request_lengths(RequestWindows.of([request]), config, current, next_tier)[0])
+    return int(request_lengths(RequestWindows.of([request]), config, CANDIDATES[-1], current,
+                               next_tier)[0])
 
 
 def test_stability_caps_long_on_steady_acceptance_and_short_on_erratic():
@@ -877,7 +911,8 @@ def test_stability_judges_each_request_by_its_own_drafting_steps():
     young = RequestAcceptance("c", accepted=(7, 7), drafted=(7, 7))  # too little history
     erratic = RequestAcceptance("d", accepted=(7, 0) * 5, drafted=(7,) * 10)
     batch = [steady, paused, young, erratic]
-    lengths = request_lengths(RequestWindows.of(batch), config, current=7, next_tier=15)
+    lengths = request_lengths(RequestWindows.of(batch), config, CANDIDATES[-1], current=7,
+                              next_tier=15)
     assert lengths.tolist() == [request_length(r, config, 7, 15) for r in batch]
     assert lengths[0] == lengths[1] == 15 and lengths[2] == 0 and 0 < lengths[3] < 7
 
@@ -918,14 +953,30 @@ outcome = st.sampled_from([0, 1, 3, 7, 15]).flatmap(
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.lists(outcome, max_size=30), max_size=6),
-       st.sampled_from([3, 10, 30, 45]), st.sampled_from([0.5, 0.9]),
+       st.sampled_from([3, 10, 30]), st.sampled_from([0.5, 0.9]),
        st.sampled_from([(1, 3), (3, 7), (7, 15), (15, 15)]))
 def test_stability_lengths_match_the_per_request_computation(windows, window, weight, tiers):
     config = StabilityConfig(window=window, weight=weight)
     requests = [RequestAcceptance(f"r{i}", tuple(a for a, _ in w), tuple(d for _, d in w))
                 for i, w in enumerate(windows)]
-    lengths = request_lengths(RequestWindows.of(requests), config, *tiers)
+    lengths = request_lengths(RequestWindows.of(requests), config, CANDIDATES[-1], *tiers)
     assert lengths.tolist() == [dsde_length(r, config, *tiers) for r in requests]
+
+
+def test_stability_reads_steps_deeper_than_its_widest_tier_up_to_that_tier():
+    """After a run-time change of candidates lowered the widest tier (15 -> 7), a request's
+    window still holds its steps at K=15. One that landed 7 of 15 drafts each step landed
+    every draft a tier now offers: steady at K=7, not rejecting half its drafts (K=1)."""
+    tiers = (0, 1, 3, 7)
+    before = RequestAcceptance("a", accepted=(7,) * 30, drafted=(15,) * 30)
+    policy = StabilityPolicy(StabilityConfig(), tiers)
+    assert policy.decide(with_requests(window(7, 1.0, batch=1), before)).k == 7
+
+
+def test_stability_window_is_at_most_what_an_engine_keeps():
+    StabilityConfig(window=REQUEST_WINDOW)
+    with pytest.raises(ValidationError):
+        StabilityConfig(window=REQUEST_WINDOW + 1)
 
 
 def test_stability_climbs_when_runs_are_cut_off_by_the_depth():

@@ -148,8 +148,8 @@ class OracleK:
     The shares are read off the batch, as the policy reads them, so right after a switch they
     still describe the previous K's mix (exact acceptance, not exact shares)."""
 
-    name = ORACLE
     reads_requests = False
+    needs_requests = False
     decides_on_arrival = False
 
     def __init__(self, engine: SimulatedEngine, candidates: tuple[int, ...]):

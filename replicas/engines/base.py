@@ -161,8 +161,6 @@ class StepTimer:
         return wall_s
 
 
-# Verify outcomes an engine keeps per running request (`request_acceptance`); DSDE uses 30.
-REQUEST_WINDOW = 30
 # Finished requests' windows an engine keeps until they are read (`FinishedWindows`).
 FINISHED_KEPT = 256
 
@@ -250,7 +248,7 @@ class Engine(Protocol):
     applies it from the next scheduled step on. Stats come two ways: `drain_steps()` returns
     the per-step records since the last call (for the control loop), `counters()` the totals.
     An engine that can attribute acceptance to requests also has `request_acceptance()`: each
-    running request's last `REQUEST_WINDOW` verify outcomes (`policies.signals.RequestWindows`),
+    running request's last `REQUEST_WINDOW` verify outcomes (`policies.signals`),
     and `finished_acceptance()`: the same of the requests that finished since the last call,
     with request id -> class (`FinishedWindows.drain`).
     One that can cap a request's drafts below K has `applies_draft_caps = True` and

@@ -27,9 +27,8 @@ from itertools import chain, islice
 import numpy as np
 
 from policies.outcomes import reaching
-from policies.signals import RequestWindows
+from policies.signals import REQUEST_WINDOW, RequestWindows
 from replicas.engines.base import (
-    REQUEST_WINDOW,
     EngineCounters,
     EngineInputError,
     FinishedWindows,

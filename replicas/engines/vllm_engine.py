@@ -24,9 +24,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from policies.signals import RequestAcceptance, RequestWindows
+from policies.signals import REQUEST_WINDOW, RequestAcceptance, RequestWindows
 from replicas.engines.base import (
-    REQUEST_WINDOW,
     EngineCounters,
     EngineInputError,
     FinishedWindows,
