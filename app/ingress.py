@@ -32,10 +32,15 @@ from pydantic import (
 )
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.openai_format import ChatFormat, CompletionFormat, error_body, json_body, sse
+from app.openai_format import ChatFormat, CompletionFormat, error_body, json_body, sse, usage
 from observability import tracing
 from observability.exposition import CONTENT_TYPE, render_prometheus
 from observability.metrics import RequestMetrics
@@ -257,31 +262,43 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-async def open_stream(engine: DeploymentHandle, payload: dict[str, Any], span: Any
+# Nothing could take the request (replicas dead or restarting, the queue full): the client
+# may send it again. Any other failure before the first chunk would fail it again: a 500.
+REPLICAS_UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError,
+                        ReplicaUnavailableError)
+
+
+async def first_chunk(engine: DeploymentHandle, payload: dict[str, Any]
+                      ) -> tuple[Any, dict[str, Any]]:
+    """The request's response stream and its first chunk (an empty final one if none)."""
+    stream = engine.options(stream=True).generate.remote(payload)
+    try:
+        return stream, await stream.__anext__()
+    except StopAsyncIteration:
+        return stream, {"text": "", "token_ids": [], "prompt_tokens": 0,
+                        "completion_tokens": 0, "finish_reason": "stop", "logprobs": None}
+
+
+async def open_stream(engine: DeploymentHandle, payload: dict[str, Any]
                       ) -> tuple[Any, dict[str, Any]]:
     """Start generation and wait for its first chunk, so errors surface before any byte is
-    sent. A replica that dies before answering gets the request sent once more (nothing has
-    reached the client yet); any other failure, or a second death, is a 503."""
-    failure: Exception | None = None
-    for _ in range(2):
-        stream = engine.options(stream=True).generate.remote(payload)
-        try:
-            return stream, await stream.__anext__()
-        except StopAsyncIteration:
-            return stream, {"text": "", "token_ids": [], "prompt_tokens": 0,
-                            "completion_tokens": 0, "finish_reason": "stop", "logprobs": None}
-        except RayActorError as error:  # the replica died before answering: once more
-            failure = error
-        except Exception as error:
-            failure = error
-            break
-    tracing.finish_span(span, error=failure)
-    # The cause (a Ray error carries the replica's traceback) goes to the log, not the client.
-    logger.error("request %s: no engine replica could serve it: %r", payload["request_id"],
-                 failure)
-    raise APIError(503, f"no engine replica could serve the request (request id "
-                        f"{payload['request_id']})", "server_error") from failure
+    sent. A replica that dies before answering gets the request sent once more: nothing has
+    reached the client yet."""
+    try:
+        return await first_chunk(engine, payload)
+    except RayActorError:
+        return await first_chunk(engine, payload)
 
+
+def start_failed(request_id: str, error: Exception) -> APIError:
+    """The answer to a request that failed before its first chunk: a 503 (with Retry-After)
+    when no replica could take it, else a 500; the cause (a Ray error carries the replica's
+    traceback) goes to the log, not the client."""
+    if not isinstance(error, REPLICAS_UNAVAILABLE):
+        return generation_failed(request_id, error)
+    logger.error("request %s: no engine replica could serve it: %r", request_id, error)
+    return APIError(503, f"no engine replica could serve the request (request id "
+                         f"{request_id})", "server_error")
 
 
 fastapi_app = FastAPI(title="specserve", version="0.1.0")
@@ -414,13 +431,29 @@ class Ingress:
                                           request_id=payload["request_id"], model=body.model)
         payload["trace_context"] = tracing.inject_context(span)
         started = time.perf_counter()
-        stream, first = await open_stream(self.engine, payload, span)
+        ttft: float | None = None  # until the first chunk
+
+        async def finish(last: dict[str, Any] | None, error: BaseException | None) -> None:
+            """Every request ends here exactly once: its span closed, its metrics recorded."""
+            tokens = usage(last)
+            tracing.finish_span(span, error=error, prompt_tokens=tokens["prompt_tokens"],
+                                completion_tokens=tokens["completion_tokens"])
+            self.metrics.record_request(
+                body.model, e2e_s=time.perf_counter() - started, ttft_s=ttft,
+                prompt_tokens=tokens["prompt_tokens"],
+                completion_tokens=tokens["completion_tokens"], status=request_status(error))
+
+        try:
+            stream, first = await open_stream(self.engine, payload)
+        except BaseException as error:  # no replica served it, or the client left meanwhile
+            await finish(None, error)
+            if isinstance(error, Exception):
+                raise start_failed(payload["request_id"], error) from error
+            raise
         if "error" in first:
-            tracing.finish_span(span, error=APIError(400, first["error"]["message"]))
-            self.metrics.record_request(body.model, e2e_s=time.perf_counter() - started,
-                                        ttft_s=None, prompt_tokens=0, completion_tokens=0,
-                                        status="error")
-            raise APIError(400, first["error"]["message"])
+            refused = APIError(400, first["error"]["message"])
+            await finish(None, refused)
+            raise refused
         ttft = time.perf_counter() - started
         formatter = ChatFormat(payload["request_id"], body.model) if chat else \
             CompletionFormat(payload["request_id"], body.model)
@@ -429,15 +462,6 @@ class Ingress:
             yield first
             async for chunk in stream:
                 yield chunk
-
-        async def finish(last: dict[str, Any] | None, error: BaseException | None) -> None:
-            prompt = last["prompt_tokens"] if last else 0
-            completion = last["completion_tokens"] if last else 0
-            tracing.finish_span(span, error=error, prompt_tokens=prompt,
-                                completion_tokens=completion)
-            self.metrics.record_request(
-                body.model, e2e_s=time.perf_counter() - started, ttft_s=ttft,
-                prompt_tokens=prompt, completion_tokens=completion, status=request_status(error))
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

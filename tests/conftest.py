@@ -68,3 +68,15 @@ def deploy_config(app: dict[str, Any], timeout_s: float = 600) -> None:
             raise RuntimeError(status.message)
         time.sleep(0.1)
     raise TimeoutError(f"application {app['name']} not running after {timeout_s} s")
+
+
+def bare_ingress(engine: Any, *, model_name: str = "target", kmax: int = 15,
+                 broadcast_timeout_s: float = 10.0, metrics: Any = None) -> Any:
+    """The ingress class under Serve's ASGI wrapper (whose async __del__ wants a running
+    replica), over a stand-in engine handle: its routes run without Ray or Serve."""
+    from app.ingress import Ingress
+
+    front = object.__new__(Ingress.__mro__[1])
+    front.engine, front.model_name, front.kmax, front.api_key = engine, model_name, kmax, None
+    front.broadcast_timeout_s, front.metrics = broadcast_timeout_s, metrics
+    return front

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.ingress import APIError, Ingress
+from app.ingress import APIError
+from tests.conftest import bare_ingress
 
 
 class Replicas:
@@ -28,23 +29,15 @@ class Replicas:
         return SimpleNamespace(results_async=results_async)
 
 
-def ingress_over(replicas: Replicas, timeout_s: float = 10.0) -> Ingress:
-    # The class under Serve's ASGI wrapper (whose async __del__ wants a running replica):
-    # no Serve replica is needed for these calls.
-    front = object.__new__(Ingress.__mro__[1])
-    front.engine, front.broadcast_timeout_s = replicas, timeout_s
-    return front
-
-
 def test_a_failing_replica_is_left_out_of_what_the_others_answer():
-    front = ingress_over(Replicas([{"replica_id": "a"}, RuntimeError("dying"),
+    front = bare_ingress(Replicas([{"replica_id": "a"}, RuntimeError("dying"),
                                    {"replica_id": "c"}]))
     assert asyncio.run(front._from_every_replica("stats")) == [{"replica_id": "a"},
                                                                {"replica_id": "c"}]
 
 
 def test_replicas_too_slow_to_answer_are_a_503():
-    front = ingress_over(Replicas([{"replica_id": "a"}], delay_s=1.0), timeout_s=0.05)
+    front = bare_ingress(Replicas([{"replica_id": "a"}], delay_s=1.0), broadcast_timeout_s=0.05)
     with pytest.raises(APIError) as raised:
         asyncio.run(front._from_every_replica("metrics_snapshot"))
     assert raised.value.status == 503
