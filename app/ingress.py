@@ -64,7 +64,8 @@ class StreamOptions(BaseModel):
 
 # Fields OpenAI's API (or vLLM's) lets a client send as null for "the default".
 NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty", "top_k", "min_p", "min_tokens", "ignore_eos")
+                      "repetition_penalty", "top_k", "min_p", "min_tokens", "ignore_eos",
+                      "stream", "logprobs", "echo")
 
 
 # vLLM builds neither a min-p nor a logit-bias processor when speculative decoding is
@@ -147,6 +148,13 @@ class SamplingFields(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({limit})")
         return self
 
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> SamplingFields:
+        # Refused rather than ignored, as vLLM and OpenAI refuse it.
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
     def limit(self) -> int | None:
         """The request's token limit; None (chat only) lets the replica fill the context."""
         return self.max_completion_tokens or self.max_tokens or self.default_limit
@@ -208,6 +216,13 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatRequest:
+        # Refused rather than ignored, as vLLM refuses it.
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs can only be set when logprobs is true")
+        return self
 
 
 class APIError(Exception):

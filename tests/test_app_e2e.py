@@ -271,6 +271,8 @@ def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(
     ({"model": "target", "prompt": "x", "top_k": -2}, 400),
     ({"model": "target", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400),
     ({"model": "target", "prompt": "x", "min_p": 0.1}, 400),
+    ({"model": "target", "prompt": "x", "stream_options": {"include_usage": True}}, 400),
+    ({"model": "target", "messages": CHAT, "top_logprobs": 2}, 400),
     # Fields that would change the output but that no engine here applies.
     ({"model": "target", "prompt": "x", "logit_bias": {"13": 100}}, 400),
     ({"model": "target", "prompt": "x", "echo": True}, 400),
