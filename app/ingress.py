@@ -251,24 +251,27 @@ def generation_failed(request_id: str, error: BaseException) -> APIError:
     return APIError(500, f"generation failed (request id {request_id})", "server_error")
 
 
-def lone_surrogate_at(node: Any, path: str = "") -> str | None:
+def lone_surrogate_at(node: Any) -> str | None:
     """The path of a string in a JSON value that is not valid Unicode, if any.
 
     JSON's escapes can spell half of a UTF-16 surrogate pair ("\\ud800"); Python decodes it
     into a str that no tokenizer can encode, so it is refused at the door rather than failing
-    deep in the engine."""
-    if isinstance(node, str):
-        try:
-            node.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    children = node.items() if isinstance(node, dict) else enumerate(node) \
-        if isinstance(node, list) else ()
-    for key, value in children:
-        found = lone_surrogate_at(value, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
+    deep in the engine. Walked with a stack of its own, not by recursion: a body nested
+    nearly as deep as the JSON parser allows would exhaust the interpreter's."""
+    pending: list[tuple[Any, str]] = [(node, "")]
+    while pending:
+        node, path = pending.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+            continue
+        children = node.items() if isinstance(node, dict) else enumerate(node) \
+            if isinstance(node, list) else ()
+        # Reversed onto the stack, so the first such string in document order is named.
+        pending.extend(reversed([(value, f"{path}.{key}" if path else str(key))
+                                 for key, value in children]))
     return None
 
 
@@ -370,8 +373,9 @@ class Ingress:
             raise APIError(401, "missing or invalid API key", "authentication_error",
                            code="invalid_api_key")
 
-    async def _body(self, request: Request, model: type[BaseModel]) -> Any:
-        self._authorize(request)
+    async def _json(self, request: Request) -> Any:
+        """The request body's JSON value, refused with a 4xx if too large, not JSON, nested
+        deeper than the parser goes, or holding text that is not valid Unicode."""
         raw = bytearray()  # read no further than the limit: a huge body is refused, not held
         async for part in request.stream():
             raw += part
@@ -381,11 +385,19 @@ class Ingress:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise APIError(400, f"request body is not valid JSON: {error}") from error
+        except RecursionError as error:  # the parser recurses per level of nesting
+            raise APIError(400, "request body is not valid JSON here: nested too deeply"
+                           ) from error
         if (where := lone_surrogate_at(data)) is not None:
             raise APIError(400, "text must be valid Unicode: the request holds a lone UTF-16 "
                                 "surrogate escape (such as \\ud800)",
                            # a key may hold one too, and the error body must encode
                            param=where.encode("utf-8", "backslashreplace").decode())
+        return data
+
+    async def _body(self, request: Request, model: type[BaseModel]) -> Any:
+        self._authorize(request)
+        data = await self._json(request)
         try:
             body = model.model_validate(data)
         except ValidationError as error:
@@ -540,8 +552,8 @@ class Ingress:
     async def set_policy(self, request: Request) -> dict[str, Any]:
         """Fleet-wide run-time change: {"policy": {...}, "candidates": [...]} on every replica."""
         self._authorize(request)
+        user_config = await self._json(request)
         try:
-            user_config = await request.json()
             if not isinstance(user_config, dict) or not {"policy", "candidates"} & set(
                     user_config):
                 raise ValueError('send {"policy": {...}} and/or {"candidates": [...]}')

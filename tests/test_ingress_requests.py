@@ -1,6 +1,6 @@
 """The ingress's request path over a stand-in engine handle (no Ray, no Serve): every request
-closes its span and is counted once, whatever ends it, and a failure before the first chunk
-is a 503 only when no replica could take the request."""
+closes its span and is counted once, whatever ends it; a failure before the first chunk is a
+503 only when no replica could take the request; a body nested too deeply is a 400."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from starlette.requests import Request
 
-from app.ingress import APIError, error_response
+from app.ingress import APIError, error_response, lone_surrogate_at
 from observability import tracing
 from tests.conftest import bare_ingress
 
@@ -69,9 +69,9 @@ class Recorded:
         self.statuses.append(fields["status"])
 
 
-def http_request(body: dict[str, Any]) -> Request:
-    messages = [{"type": "http.request", "body": json.dumps(body).encode(),
-                 "more_body": False}]
+def http_request(body: dict[str, Any] | bytes) -> Request:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
 
     async def receive() -> dict[str, Any]:
         return messages.pop(0) if messages else {"type": "http.disconnect"}
@@ -134,3 +134,25 @@ def test_a_replica_that_died_before_answering_gets_the_request_once_more(spans_f
     body = asyncio.run(completion(engine, recorded))
     assert body["choices"][0]["text"] == "hi" and engine.sent == 2
     assert recorded.statuses == ["ok"] and spans_finished == [None]
+
+
+def nested(depth: int, inner: str = "[]") -> str:
+    return "[" * depth + inner + "]" * depth
+
+
+@pytest.mark.parametrize("route", ["completions", "chat_completions", "set_policy"])
+def test_a_body_nested_deeper_than_the_parser_goes_is_a_400(route):
+    front = bare_ingress(Engine())
+    with pytest.raises(APIError) as raised:
+        asyncio.run(getattr(front, route)(http_request(nested(1200).encode())))
+    assert raised.value.status == 400 and "nested too deeply" in raised.value.message
+
+
+def test_a_lone_surrogate_is_found_at_any_depth_without_recursion():
+    deep: Any = "\ud800"
+    for _ in range(5000):  # deeper than the interpreter's recursion limit
+        deep = [deep]
+    assert lone_surrogate_at({"model": "target", "stop": ["ok", "\udfff"], "x": deep}) == \
+        "stop.1"
+    assert lone_surrogate_at({"x": deep}) == "x" + ".0" * 5000
+    assert lone_surrogate_at(json.loads(nested(900, '"ok"'))) is None
