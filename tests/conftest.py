@@ -80,3 +80,20 @@ def bare_ingress(engine: Any, *, model_name: str = "target", kmax: int = 15,
     front.engine, front.model_name, front.kmax, front.api_key = engine, model_name, kmax, None
     front.broadcast_timeout_s, front.metrics = broadcast_timeout_s, metrics
     return front
+
+
+def http_request(body: Any) -> Any:
+    """A POST request whose body is `body` (bytes as they are, else its JSON), for
+    `bare_ingress` routes."""
+    import json
+
+    from starlette.requests import Request
+
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": [],
+                    "query_string": b""}, receive)

@@ -1,5 +1,6 @@
 """The ingress's calls to every replica (`/metrics`, `/admin/*`): a failing replica is left out
-of a scrape, not a 500; replicas too slow to answer are a 503, not a request that hangs."""
+of a scrape, not a 500; replicas too slow to answer are a 503, not a request that hangs; a
+run-time change that is not valid is a 400 before any replica is called."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.ingress import APIError
-from tests.conftest import bare_ingress
+from tests.conftest import bare_ingress, http_request
 
 
 class Replicas:
@@ -41,3 +42,13 @@ def test_replicas_too_slow_to_answer_are_a_503():
     with pytest.raises(APIError) as raised:
         asyncio.run(front._from_every_replica("metrics_snapshot"))
     assert raised.value.status == 503
+
+
+@pytest.mark.parametrize("policy", ["goodput", None, [], {"name": "nope"}])
+def test_a_policy_that_is_not_a_policy_config_is_a_400_before_any_replica_changes(policy):
+    """Not even the candidates sent with it reach a replica (the broadcast would fail)."""
+    front = bare_ingress(Replicas([AssertionError("no replica may be called")]))
+    with pytest.raises(APIError) as raised:
+        asyncio.run(front.set_policy(http_request({"policy": policy,
+                                                   "candidates": [0, 1, 3]})))
+    assert raised.value.status == 400 and "policy" in raised.value.message

@@ -11,11 +11,10 @@ from typing import Any
 import pytest
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
-from starlette.requests import Request
 
 from app.ingress import APIError, error_response, lone_surrogate_at
 from observability import tracing
-from tests.conftest import bare_ingress
+from tests.conftest import bare_ingress, http_request
 
 WAIT = "wait"  # the replica never answers (the request queues, or its prompt is prefilled)
 CHUNK = {"text": "hi", "token_ids": [1], "prompt_tokens": 2, "completion_tokens": 1,
@@ -67,17 +66,6 @@ class Recorded:
 
     def record_request(self, model: str, **fields: Any) -> None:
         self.statuses.append(fields["status"])
-
-
-def http_request(body: dict[str, Any] | bytes) -> Request:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    messages = [{"type": "http.request", "body": raw, "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        return messages.pop(0) if messages else {"type": "http.disconnect"}
-
-    return Request({"type": "http", "method": "POST", "path": "/v1/completions",
-                    "headers": [], "query_string": b""}, receive)
 
 
 @pytest.fixture
