@@ -5,7 +5,7 @@ recorder (never the global one, so several recorders can share a process and not
 with vLLM's prometheus_client registry). Each provider has:
 
 - an in-memory pull reader, read by `snapshot()`: a plain, picklable/JSON-able dict that a
-  replica hands to the ingress (through the telemetry hub or a broadcast call) and that
+  replica hands to the ingress (answering its broadcast on each `/metrics` scrape) and that
   `observability.exposition.render_prometheus` turns into Prometheus text, merged over replicas;
 - a periodic OTLP reader, only when `OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT` is set.
 
