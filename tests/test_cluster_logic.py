@@ -20,6 +20,8 @@ from app.router import (
     sample_candidates,
 )
 from app.telemetry_hub import PRIOR_DECAY, ClusterState
+from observability.metrics import ReplicaMetrics
+from observability.tracing import ActiveSpans
 from policies.class_acceptance import (
     FRESH_PERIODS,
     ClassAcceptance,
@@ -29,8 +31,6 @@ from policies.class_acceptance import (
     mixture,
     rates_from_counts,
 )
-from observability.metrics import ReplicaMetrics
-from observability.tracing import ActiveSpans
 from policies.registry import build_policy
 from policies.signals import Decision, RequestAcceptance, RequestWindows, Signals
 from replicas.control_loop import ControlLoop, fold_steps
