@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import (
     BaseModel,
@@ -325,16 +324,6 @@ fastapi_app = FastAPI(title="specserve", version="0.1.0")
 @fastapi_app.exception_handler(APIError)
 async def _api_error(_: Request, error: APIError) -> JSONResponse:
     return error_response(error)
-
-
-@fastapi_app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-    first = error.errors()[0] if error.errors() else {}
-    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-    message = first.get("msg", "invalid request")
-    if first.get("type") == "json_invalid":
-        message = "request body is not valid JSON"
-    return error_response(APIError(400, message, param=param))
 
 
 @fastapi_app.exception_handler(Exception)

@@ -85,10 +85,10 @@ class ClusterState:
         _add_into(self._total_accepted, new_accepted, old_accepted)
         _add_into(self._total_drafted, new_drafted, old_drafted)
 
-    def refresh(self, now: float, force: bool = False) -> None:
+    def refresh(self, now: float) -> None:
         """Expire silent replicas and routers, and recompute the fleet-wide summaries (at
-        most every `REFRESH_S` unless forced)."""
-        if not force and now - self._refreshed_at < REFRESH_S:
+        most every `REFRESH_S`)."""
+        if now - self._refreshed_at < REFRESH_S:
             return
         self._refreshed_at = now
         self.expire(now)
@@ -139,12 +139,6 @@ class ClusterState:
         if at >= self._override_changed_at:
             self.policy_override, self._override_changed_at = user_config, at
 
-    def snapshot(self) -> dict[str, Any]:
-        self.refresh(time.monotonic(), force=True)
-        return {"replicas": dict(self.replicas), "acceptance_prior": self.acceptance_prior(),
-                "policy_override": self.policy_override,
-                "routed": {rid: self.routed(rid) for rid in self.replicas}}
-
 
 @ray.remote(num_cpus=0)
 class TelemetryHub:
@@ -166,9 +160,6 @@ class TelemetryHub:
     def clear_policy_override(self, at: float) -> None:
         """A redeployed user_config supersedes earlier run-time changes."""
         self.state.set_override(None, at)
-
-    def snapshot(self) -> dict[str, Any]:
-        return self.state.snapshot()
 
 
 def _decayed_plus(old: list[float], window: Any) -> list[float]:
