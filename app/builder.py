@@ -40,13 +40,26 @@ class AppArgs(BaseModel):
     once), merged: one Serve message per engine step costs more CPU than the step. 0 sends
     every step's tokens as they come. Ray Serve LLM's `stream_batching_interval_ms`."""
     max_ongoing_requests: int = Field(64, ge=1)
-    max_queued_requests: int = Field(256, ge=-1)
+    max_queued_requests: int = 256
+    """Requests queued per handle beyond the replicas' `max_ongoing_requests`; -1: no limit."""
     ingress_max_ongoing_requests: int = Field(512, ge=1)
     replica_num_cpus: float = Field(0, ge=0)
+    replica_num_gpus: float = Field(0, ge=0)
+    """GPUs Ray reserves for each engine replica: its tensor-parallel size on GPU presets, so
+    replicas get GPUs of their own and land only on nodes that have them."""
     api_key: str | None = None
     """Bearer key for every route but /health; also read from SPECSERVE_API_KEY."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment for the engine replicas (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)."""
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_limit(cls, limit: int) -> int:
+        # Serve takes -1 or a positive limit, and would refuse 0 only at deploy time.
+        if limit != -1 and limit < 1:
+            raise ValueError(f"max_queued_requests must be -1 (no limit) or at least 1, "
+                             f"got {limit}")
+        return limit
 
     @field_validator("policy")
     @classmethod
@@ -75,6 +88,7 @@ def build_app(args: AppArgs | dict[str, Any]) -> Application:
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
         ray_actor_options={"num_cpus": args.replica_num_cpus,
+                           "num_gpus": args.replica_num_gpus,
                            "runtime_env": {"env_vars": _replica_env(args)}},
         request_router_config=RequestRouterConfig(
             request_router_class=ClassGatheringRouter,

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import (
     BaseModel,
@@ -32,10 +31,15 @@ from pydantic import (
 )
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.openai_format import ChatFormat, CompletionFormat, error_body, json_body, sse
+from app.openai_format import ChatFormat, CompletionFormat, error_body, json_body, sse, usage
 from observability import tracing
 from observability.exposition import CONTENT_TYPE, render_prometheus
 from observability.metrics import RequestMetrics
@@ -59,7 +63,8 @@ class StreamOptions(BaseModel):
 
 # Fields OpenAI's API (or vLLM's) lets a client send as null for "the default".
 NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty", "top_k", "min_p", "min_tokens", "ignore_eos")
+                      "repetition_penalty", "top_k", "min_p", "min_tokens", "ignore_eos",
+                      "stream", "logprobs", "echo")
 
 
 # vLLM builds neither a min-p nor a logit-bias processor when speculative decoding is
@@ -142,6 +147,13 @@ class SamplingFields(BaseModel):
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({limit})")
         return self
 
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> SamplingFields:
+        # Refused rather than ignored, as vLLM and OpenAI refuse it.
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
     def limit(self) -> int | None:
         """The request's token limit; None (chat only) lets the replica fill the context."""
         return self.max_completion_tokens or self.max_tokens or self.default_limit
@@ -204,6 +216,13 @@ class ChatRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatRequest:
+        # Refused rather than ignored, as vLLM refuses it.
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs can only be set when logprobs is true")
+        return self
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
@@ -231,24 +250,27 @@ def generation_failed(request_id: str, error: BaseException) -> APIError:
     return APIError(500, f"generation failed (request id {request_id})", "server_error")
 
 
-def lone_surrogate_at(node: Any, path: str = "") -> str | None:
+def lone_surrogate_at(node: Any) -> str | None:
     """The path of a string in a JSON value that is not valid Unicode, if any.
 
     JSON's escapes can spell half of a UTF-16 surrogate pair ("\\ud800"); Python decodes it
     into a str that no tokenizer can encode, so it is refused at the door rather than failing
-    deep in the engine."""
-    if isinstance(node, str):
-        try:
-            node.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    children = node.items() if isinstance(node, dict) else enumerate(node) \
-        if isinstance(node, list) else ()
-    for key, value in children:
-        found = lone_surrogate_at(value, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
+    deep in the engine. Walked with a stack of its own, not by recursion: a body nested
+    nearly as deep as the JSON parser allows would exhaust the interpreter's."""
+    pending: list[tuple[Any, str]] = [(node, "")]
+    while pending:
+        node, path = pending.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+            continue
+        children = node.items() if isinstance(node, dict) else enumerate(node) \
+            if isinstance(node, list) else ()
+        # Reversed onto the stack, so the first such string in document order is named.
+        pending.extend(reversed([(value, f"{path}.{key}" if path else str(key))
+                                 for key, value in children]))
     return None
 
 
@@ -257,31 +279,43 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-async def open_stream(engine: DeploymentHandle, payload: dict[str, Any], span: Any
+# Nothing could take the request (replicas dead or restarting, the queue full): the client
+# may send it again. Any other failure before the first chunk would fail it again: a 500.
+REPLICAS_UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError,
+                        ReplicaUnavailableError)
+
+
+async def first_chunk(engine: DeploymentHandle, payload: dict[str, Any]
+                      ) -> tuple[Any, dict[str, Any]]:
+    """The request's response stream and its first chunk (an empty final one if none)."""
+    stream = engine.options(stream=True).generate.remote(payload)
+    try:
+        return stream, await stream.__anext__()
+    except StopAsyncIteration:
+        return stream, {"text": "", "token_ids": [], "prompt_tokens": 0,
+                        "completion_tokens": 0, "finish_reason": "stop", "logprobs": None}
+
+
+async def open_stream(engine: DeploymentHandle, payload: dict[str, Any]
                       ) -> tuple[Any, dict[str, Any]]:
     """Start generation and wait for its first chunk, so errors surface before any byte is
-    sent. A replica that dies before answering gets the request sent once more (nothing has
-    reached the client yet); any other failure, or a second death, is a 503."""
-    failure: Exception | None = None
-    for _ in range(2):
-        stream = engine.options(stream=True).generate.remote(payload)
-        try:
-            return stream, await stream.__anext__()
-        except StopAsyncIteration:
-            return stream, {"text": "", "token_ids": [], "prompt_tokens": 0,
-                            "completion_tokens": 0, "finish_reason": "stop", "logprobs": None}
-        except RayActorError as error:  # the replica died before answering: once more
-            failure = error
-        except Exception as error:
-            failure = error
-            break
-    tracing.finish_span(span, error=failure)
-    # The cause (a Ray error carries the replica's traceback) goes to the log, not the client.
-    logger.error("request %s: no engine replica could serve it: %r", payload["request_id"],
-                 failure)
-    raise APIError(503, f"no engine replica could serve the request (request id "
-                        f"{payload['request_id']})", "server_error") from failure
+    sent. A replica that dies before answering gets the request sent once more: nothing has
+    reached the client yet."""
+    try:
+        return await first_chunk(engine, payload)
+    except RayActorError:
+        return await first_chunk(engine, payload)
 
+
+def start_failed(request_id: str, error: Exception) -> APIError:
+    """The answer to a request that failed before its first chunk: a 503 (with Retry-After)
+    when no replica could take it, else a 500; the cause (a Ray error carries the replica's
+    traceback) goes to the log, not the client."""
+    if not isinstance(error, REPLICAS_UNAVAILABLE):
+        return generation_failed(request_id, error)
+    logger.error("request %s: no engine replica could serve it: %r", request_id, error)
+    return APIError(503, f"no engine replica could serve the request (request id "
+                         f"{request_id})", "server_error")
 
 
 fastapi_app = FastAPI(title="specserve", version="0.1.0")
@@ -290,16 +324,6 @@ fastapi_app = FastAPI(title="specserve", version="0.1.0")
 @fastapi_app.exception_handler(APIError)
 async def _api_error(_: Request, error: APIError) -> JSONResponse:
     return error_response(error)
-
-
-@fastapi_app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-    first = error.errors()[0] if error.errors() else {}
-    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-    message = first.get("msg", "invalid request")
-    if first.get("type") == "json_invalid":
-        message = "request body is not valid JSON"
-    return error_response(APIError(400, message, param=param))
 
 
 @fastapi_app.exception_handler(Exception)
@@ -338,8 +362,9 @@ class Ingress:
             raise APIError(401, "missing or invalid API key", "authentication_error",
                            code="invalid_api_key")
 
-    async def _body(self, request: Request, model: type[BaseModel]) -> Any:
-        self._authorize(request)
+    async def _json(self, request: Request) -> Any:
+        """The request body's JSON value, refused with a 4xx if too large, not JSON, nested
+        deeper than the parser goes, or holding text that is not valid Unicode."""
         raw = bytearray()  # read no further than the limit: a huge body is refused, not held
         async for part in request.stream():
             raw += part
@@ -349,11 +374,19 @@ class Ingress:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise APIError(400, f"request body is not valid JSON: {error}") from error
+        except RecursionError as error:  # the parser recurses per level of nesting
+            raise APIError(400, "request body is not valid JSON here: nested too deeply"
+                           ) from error
         if (where := lone_surrogate_at(data)) is not None:
             raise APIError(400, "text must be valid Unicode: the request holds a lone UTF-16 "
                                 "surrogate escape (such as \\ud800)",
                            # a key may hold one too, and the error body must encode
                            param=where.encode("utf-8", "backslashreplace").decode())
+        return data
+
+    async def _body(self, request: Request, model: type[BaseModel]) -> Any:
+        self._authorize(request)
+        data = await self._json(request)
         try:
             body = model.model_validate(data)
         except ValidationError as error:
@@ -414,13 +447,29 @@ class Ingress:
                                           request_id=payload["request_id"], model=body.model)
         payload["trace_context"] = tracing.inject_context(span)
         started = time.perf_counter()
-        stream, first = await open_stream(self.engine, payload, span)
+        ttft: float | None = None  # until the first chunk
+
+        async def finish(last: dict[str, Any] | None, error: BaseException | None) -> None:
+            """Every request ends here exactly once: its span closed, its metrics recorded."""
+            tokens = usage(last)
+            tracing.finish_span(span, error=error, prompt_tokens=tokens["prompt_tokens"],
+                                completion_tokens=tokens["completion_tokens"])
+            self.metrics.record_request(
+                body.model, e2e_s=time.perf_counter() - started, ttft_s=ttft,
+                prompt_tokens=tokens["prompt_tokens"],
+                completion_tokens=tokens["completion_tokens"], status=request_status(error))
+
+        try:
+            stream, first = await open_stream(self.engine, payload)
+        except BaseException as error:  # no replica served it, or the client left meanwhile
+            await finish(None, error)
+            if isinstance(error, Exception):
+                raise start_failed(payload["request_id"], error) from error
+            raise
         if "error" in first:
-            tracing.finish_span(span, error=APIError(400, first["error"]["message"]))
-            self.metrics.record_request(body.model, e2e_s=time.perf_counter() - started,
-                                        ttft_s=None, prompt_tokens=0, completion_tokens=0,
-                                        status="error")
-            raise APIError(400, first["error"]["message"])
+            refused = APIError(400, first["error"]["message"])
+            await finish(None, refused)
+            raise refused
         ttft = time.perf_counter() - started
         formatter = ChatFormat(payload["request_id"], body.model) if chat else \
             CompletionFormat(payload["request_id"], body.model)
@@ -429,15 +478,6 @@ class Ingress:
             yield first
             async for chunk in stream:
                 yield chunk
-
-        async def finish(last: dict[str, Any] | None, error: BaseException | None) -> None:
-            prompt = last["prompt_tokens"] if last else 0
-            completion = last["completion_tokens"] if last else 0
-            tracing.finish_span(span, error=error, prompt_tokens=prompt,
-                                completion_tokens=completion)
-            self.metrics.record_request(
-                body.model, e2e_s=time.perf_counter() - started, ttft_s=ttft,
-                prompt_tokens=prompt, completion_tokens=completion, status=request_status(error))
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -501,8 +541,8 @@ class Ingress:
     async def set_policy(self, request: Request) -> dict[str, Any]:
         """Fleet-wide run-time change: {"policy": {...}, "candidates": [...]} on every replica."""
         self._authorize(request)
+        user_config = await self._json(request)
         try:
-            user_config = await request.json()
             if not isinstance(user_config, dict) or not {"policy", "candidates"} & set(
                     user_config):
                 raise ValueError('send {"policy": {...}} and/or {"candidates": [...]}')

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from pydantic import BaseModel
@@ -104,19 +104,25 @@ def _chat_token(token: str, logprob: float) -> dict[str, Any]:
 
 
 async def sse(chunks: AsyncIterator[dict[str, Any]], formatter: CompletionFormat,
-               include_usage: bool, finish: Any,
-               failure_body: Callable[[BaseException], dict[str, Any]]) -> AsyncIterator[str]:
+              include_usage: bool,
+              finish: Callable[[dict[str, Any] | None, BaseException | None], Awaitable[None]],
+              failure_body: Callable[[BaseException], dict[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent events as OpenAI sends them: with `include_usage`, `"usage": null` on
+    every chunk and the usage in a last chunk of its own; `data: [DONE]` at the end, also
+    after an error reported in-band (as vLLM does)."""
     last: dict[str, Any] | None = None
     error: BaseException | None = None
     try:
         first = True
         async for chunk in chunks:
             last = chunk
-            yield f"data: {json.dumps(formatter.delta(chunk, first))}\n\n"
+            event = formatter.delta(chunk, first)
+            if include_usage:
+                event["usage"] = None
+            yield f"data: {json.dumps(event)}\n\n"
             first = False
         if include_usage:
             yield f"data: {json.dumps(formatter.usage_chunk(last))}\n\n"
-        yield "data: [DONE]\n\n"
     except Exception as failure:  # mid-stream: the status line is gone, report in-band
         error = failure
         yield f"data: {json.dumps(failure_body(failure))}\n\n"
@@ -125,6 +131,7 @@ async def sse(chunks: AsyncIterator[dict[str, Any]], formatter: CompletionFormat
         raise
     finally:
         await finish(last, error)
+    yield "data: [DONE]\n\n"
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ each replica's batch in one class, where a rule that ranked by reported acceptan
 (see the README).
 
 The request class comes with the request (`payload["request_class"]`, set by the ingress:
-`greedy` (temperature 0) or `sampled`).
+`greedy` (temperature 0) or `sampled`; without one, the replicas' `DEFAULT_CLASS`).
 
 Loads stay fresh: a replica reports its handler's requests per router and class (each router
 stamps the payloads it routes with its id). A router counts its own requests itself, exactly
@@ -42,10 +42,12 @@ import logging
 import random
 import time
 import uuid
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from typing import Any, NamedTuple, TypeVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from policies.class_acceptance import DEFAULT_CLASS
 
 CLASS_AFFINITY = 2.0
 # Large fleets: rank a random sample of this many replicas (routing stays O(1) per request,
@@ -54,6 +56,10 @@ RANK_SAMPLE = 16
 RECENT_PER_CLASS = 4
 REPORT_S = 0.1
 RESERVATION_S = 5.0
+# Completions that found their request not routed yet (see `on_request_completed`) are kept
+# this long, and at most this many (probes and rejected attempts leave some too).
+EARLY_COMPLETION_S = 5.0
+EARLY_COMPLETIONS_MAX = 1024
 # Re-report unchanged non-zero counts this often: the hub forgets silent routers after 3 s.
 REFRESH_S = 1.0
 T = TypeVar("T")
@@ -169,20 +175,21 @@ class RoutedReporter:
             self._timer = None
         try:
             loop = asyncio.get_running_loop()
-        except RuntimeError:  # no event loop in this thread: report now rather than never
-            delay = 0
+        except RuntimeError:  # no event loop in this thread: report now rather than never,
+            self._send(refresh=False)  # and once: nothing could run a later refresh
+            return
         if delay <= 0:
             self._send()
         else:
             self._timer, self._due = loop.call_later(delay, self._send), due
 
-    def _send(self) -> None:
+    def _send(self, refresh: bool = True) -> None:
         self._timer = None
         self._last_sent = time.monotonic()
         counts = {rid.unique_id: n for rid, n in self._in_flight.items() if n}
         with contextlib.suppress(Exception):  # the hub may be restarting; next report retries
             self.hub.report_routed.remote(self.router_id, counts)  # result never awaited
-        if counts:
+        if counts and refresh:
             self._schedule(REFRESH_S)
 
 
@@ -198,6 +205,9 @@ class ClassGatheringRouter(RequestRouter):
         # Chosen, not yet confirmed routed: requests that arrive together (a new wave) must
         # not all see the same counts and pick the same replica. (replica, class, when)
         self._reserved: dict[str, tuple[ReplicaID, str, float]] = {}
+        # Completions that came before their routing (see `on_request_completed`), by
+        # request: (when, replicas), oldest first.
+        self._early: OrderedDict[str, tuple[float, set[ReplicaID]]] = OrderedDict()
         self.recent = RecentByClass()
         self.router_id = uuid.uuid4().hex
         self.reporter = RoutedReporter(self.in_flight, self.router_id)
@@ -214,7 +224,9 @@ class ClassGatheringRouter(RequestRouter):
         # any class, and must not move where a class went last.
         request_id = pending_request.metadata.internal_request_id \
             if pending_request is not None and payload is not None else None
-        self._reserved.pop(request_id, None)  # a retry chooses afresh
+        # A retry chooses afresh; a completion before it was an earlier attempt's (rejected).
+        self._reserved.pop(request_id, None)
+        self._early.pop(request_id, None)
         reserved, reserved_same = self._reserved_counts(request_class)
         if len(candidate_replicas) > RANK_SAMPLE:
             wanted = set(self.recent.get(request_class))
@@ -262,22 +274,43 @@ class ClassGatheringRouter(RequestRouter):
         request_id = pending_request.metadata.internal_request_id
         request_class = _request_class(payload)
         self._reserved.pop(request_id, None)
+        early = self._early.get(request_id)
+        if early is not None and replica_id in early[1]:  # it finished already: not in flight
+            early[1].discard(replica_id)
+            if not early[1]:
+                del self._early[request_id]
+            return
         self.in_flight[replica_id] += 1
         self.in_flight_classes[replica_id][request_class] += 1
         self._routed[(request_id, replica_id)] = request_class
         self.reporter.changed()
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Serve registers the completion callback before it learns that the replica took the
+        request, and reports the routing only then: a request that finishes in between
+        completes before it is routed. Such a completion is remembered a while, so that the
+        routing that follows is not counted (it would never be released)."""
         request_class = self._routed.pop((internal_request_id, replica_id), None)
-        if request_class is not None:
-            self.in_flight[replica_id] = max(0, self.in_flight[replica_id] - 1)
-            classes = self.in_flight_classes[replica_id]
-            classes[request_class] = max(0, classes[request_class] - 1)
-            self.reporter.changed()
+        if request_class is None:
+            self._remember_early(internal_request_id, replica_id)
+            return
+        self.in_flight[replica_id] = max(0, self.in_flight[replica_id] - 1)
+        classes = self.in_flight_classes[replica_id]
+        classes[request_class] = max(0, classes[request_class] - 1)
+        self.reporter.changed()
+
+    def _remember_early(self, request_id: str, replica_id: ReplicaID) -> None:
+        now = time.monotonic()
+        self._early.setdefault(request_id, (now, set()))[1].add(replica_id)
+        while self._early:  # the oldest first: expired, or beyond the bound
+            _, (at, _) = next(iter(self._early.items()))
+            if now - at <= EARLY_COMPLETION_S and len(self._early) <= EARLY_COMPLETIONS_MAX:
+                break
+            self._early.popitem(last=False)
 
 
 def _request_class(payload: dict[str, Any] | None) -> str:
-    return payload.get("request_class", "greedy") if payload else "greedy"
+    return payload.get("request_class", DEFAULT_CLASS) if payload else DEFAULT_CLASS
 
 
 def _payload(pending_request: PendingRequest | None) -> dict[str, Any] | None:

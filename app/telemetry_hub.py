@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 
+from observability.per_position import accumulate
 from policies.class_acceptance import Rates, fleet_average, fleet_fresh
 
 # A replica that has not pushed for this long is dropped from the view (dead or restarting).
@@ -82,13 +83,15 @@ class ClusterState:
         new_accepted = _decayed_plus(old_accepted, accepted)
         new_drafted = _decayed_plus(old_drafted, drafted)
         self._counts[replica_id] = (new_accepted, new_drafted)
-        _add_into(self._total_accepted, new_accepted, old_accepted)
-        _add_into(self._total_drafted, new_drafted, old_drafted)
+        for total, new, old in ((self._total_accepted, new_accepted, old_accepted),
+                                (self._total_drafted, new_drafted, old_drafted)):
+            accumulate(total, new)
+            accumulate(total, old, sign=-1)
 
-    def refresh(self, now: float, force: bool = False) -> None:
+    def refresh(self, now: float) -> None:
         """Expire silent replicas and routers, and recompute the fleet-wide summaries (at
-        most every `REFRESH_S` unless forced)."""
-        if not force and now - self._refreshed_at < REFRESH_S:
+        most every `REFRESH_S`)."""
+        if now - self._refreshed_at < REFRESH_S:
             return
         self._refreshed_at = now
         self.expire(now)
@@ -103,8 +106,8 @@ class ClusterState:
             for table in (self.replicas, self._seen_at):
                 table.pop(rid, None)
             accepted, drafted = self._counts.pop(rid, ([], []))
-            _add_into(self._total_accepted, [], accepted)
-            _add_into(self._total_drafted, [], drafted)
+            accumulate(self._total_accepted, accepted, sign=-1)
+            accumulate(self._total_drafted, drafted, sign=-1)
         # A router that stopped reporting (its ingress went away) no longer counts.
         for router_id in [r for r, (at, _) in self._routed.items()
                           if now - at > self.stale_after_s]:
@@ -139,12 +142,6 @@ class ClusterState:
         if at >= self._override_changed_at:
             self.policy_override, self._override_changed_at = user_config, at
 
-    def snapshot(self) -> dict[str, Any]:
-        self.refresh(time.monotonic(), force=True)
-        return {"replicas": dict(self.replicas), "acceptance_prior": self.acceptance_prior(),
-                "policy_override": self.policy_override,
-                "routed": {rid: self.routed(rid) for rid in self.replicas}}
-
 
 @ray.remote(num_cpus=0)
 class TelemetryHub:
@@ -167,20 +164,8 @@ class TelemetryHub:
         """A redeployed user_config supersedes earlier run-time changes."""
         self.state.set_override(None, at)
 
-    def snapshot(self) -> dict[str, Any]:
-        return self.state.snapshot()
-
 
 def _decayed_plus(old: list[float], window: Any) -> list[float]:
-    width = max(len(old), len(window))
-    return [PRIOR_DECAY * (old[i] if i < len(old) else 0.0) +
-            (window[i] if i < len(window) else 0) for i in range(width)]
-
-
-def _add_into(total: list[float], plus: list[float], minus: list[float]) -> None:
-    """total += plus - minus, position by position, growing `total` as needed."""
-    total.extend([0.0] * (max(len(plus), len(minus)) - len(total)))
-    for i, value in enumerate(plus):
-        total[i] += value
-    for i, value in enumerate(minus):
-        total[i] -= value
+    decayed = [PRIOR_DECAY * value for value in old]
+    accumulate(decayed, window)
+    return decayed

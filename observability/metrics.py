@@ -5,7 +5,7 @@ recorder (never the global one, so several recorders can share a process and not
 with vLLM's prometheus_client registry). Each provider has:
 
 - an in-memory pull reader, read by `snapshot()`: a plain, picklable/JSON-able dict that a
-  replica hands to the ingress (through the telemetry hub or a broadcast call) and that
+  replica hands to the ingress (answering its broadcast on each `/metrics` scrape) and that
   `observability.exposition.render_prometheus` turns into Prometheus text, merged over replicas;
 - a periodic OTLP reader, only when `OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT` is set.
 
@@ -35,6 +35,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 
 from observability.otlp import metric_exporter, otlp_configured
+from observability.per_position import accumulate
 
 if TYPE_CHECKING:  # type-only: observability imports no other specserve package at run time
     from replicas.engines.base import StepRecord
@@ -291,8 +292,8 @@ class ReplicaMetrics(_Recorder):
                 self._drafts += step.drafts
                 drafted += step.draft_tokens
                 accepted += step.accepted_tokens
-                _add_into(self._accepted_pos, step.accepted_per_pos)
-                _add_into(self._drafted_pos, step.drafted_per_pos)
+                accumulate(self._accepted_pos, step.accepted_per_pos)
+                accumulate(self._drafted_pos, step.drafted_per_pos)
                 if step.drafts:
                     step_means.append(1.0 + step.accepted_tokens / step.drafts)
             self._draft_tokens += drafted
@@ -353,13 +354,6 @@ class ReplicaMetrics(_Recorder):
     def _switch_observations(self) -> list[Observation]:
         return [Observation(n, {**self._attrs, "from_k": str(a), "to_k": str(b)})
                 for (a, b), n in self._switches.items()]
-
-
-def _add_into(totals: list[int], values: Sequence[int]) -> None:
-    if len(values) > len(totals):
-        totals.extend([0] * (len(values) - len(totals)))
-    for i, value in enumerate(values):
-        totals[i] += value
 
 
 class RequestMetrics(_Recorder):

@@ -13,10 +13,8 @@ from policies.goodput import GoodputConfig, GoodputPolicy
 from policies.stability import StabilityConfig, StabilityPolicy
 from policies.static import StaticConfig, StaticPolicy
 
-PolicyConfig = Annotated[
-    StaticConfig | BatchTableConfig | EmaConfig | GoodputConfig | StabilityConfig,
-    Field(discriminator="name"),
-]
+_CONFIG_MODELS = StaticConfig | BatchTableConfig | EmaConfig | GoodputConfig | StabilityConfig
+PolicyConfig = Annotated[_CONFIG_MODELS, Field(discriminator="name")]
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(PolicyConfig)
 _POLICIES = {
     "static": StaticPolicy,
@@ -29,9 +27,14 @@ POLICY_NAMES = tuple(_POLICIES)
 
 
 def parse_policy_config(config: dict[str, Any] | Any) -> Any:
-    """A validated config model; `{"name": "ema", ...}` or an already-built model."""
-    if not isinstance(config, dict):
+    """A validated config model from `{"name": "ema", ...}`, or an already-built model as it
+    is; anything else (a bare name, null, a list) is a ValueError, not a model-less config
+    that fails later where it is used."""
+    if isinstance(config, _CONFIG_MODELS):
         return config
+    if not isinstance(config, dict):
+        raise ValueError(f'a policy config is an object such as {{"name": "goodput"}}, not '
+                         f"{config!r:.80}")
     name = config.get("name")
     if name not in _POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

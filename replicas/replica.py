@@ -22,7 +22,6 @@ from ray import serve
 
 from observability import tracing
 from observability.metrics import ReplicaMetrics
-from policies.base import Policy
 from policies.class_acceptance import DEFAULT_CLASS, ClassAcceptance, ClassPrior, class_counts
 from policies.registry import build_policy, parse_policy_config
 from policies.signals import ClusterView, Decision
@@ -312,31 +311,29 @@ class EngineReplica:
                 getattr(self._hub, method).remote(argument)
 
     async def _apply_config(self, user_config: dict[str, Any]) -> None:
-        config: Any = None
-        policy: Policy | None = None
-        if "policy" in user_config or "candidates" in user_config:
-            # A policy chooses among the tiers it was built with: new candidates rebuild it
-            # (its learned state starts over, as on a change of policy). Built and checked
-            # before anything changes: a policy this engine cannot serve leaves all as it was.
-            config = parse_policy_config(user_config.get("policy", self.policy_config))
-            candidates = validate_candidates(user_config["candidates"], self.engine.kmax,
-                                             user_config.get("initial_k")) \
-                if "candidates" in user_config else self.pool.candidates
-            policy = build_policy(config, candidates)
-            self.loop.check_policy(policy)
+        if not {"policy", "candidates"} & set(user_config):
+            return
+        # Everything is checked, and the new policy built, before anything changes: a bad
+        # policy or tier list leaves the pool and the policy as they were.
+        candidates = validate_candidates(user_config["candidates"], self.engine.kmax,
+                                         user_config.get("initial_k")) \
+            if "candidates" in user_config else self.pool.candidates
+        config = parse_policy_config(user_config.get("policy", self.policy_config))
+        # A policy chooses among the tiers it was built with: new candidates rebuild it
+        # (its learned state starts over, as on a change of policy).
+        policy = build_policy(config, candidates)
+        self.loop.check_policy(policy)  # one this engine cannot serve is refused here
         if "candidates" in user_config:
-            change = await self.pool.set_candidates(user_config["candidates"],
-                                                    user_config.get("initial_k"))
+            change = await self.pool.set_candidates(candidates, user_config.get("initial_k"))
             self.metrics.set_candidates(self.pool.candidates)
             if change is not None:
                 self._note_switch(change, Decision(change.to_k, "candidate tiers changed"))
-        if policy is not None:
-            self.loop.replace_policy(policy)
-            self.policy_config = config.model_dump()
-            if config.name == "static":  # apply at once rather than at the next decision
-                change = await self.pool.switch(self.loop.policy.k)
-                if change is not None:
-                    self._note_switch(change, Decision(change.to_k, "reconfigured to static"))
+        self.loop.replace_policy(policy)
+        self.policy_config = config.model_dump()
+        if config.name == "static":  # apply at once rather than at the next decision
+            change = await self.pool.switch(self.loop.policy.k)
+            if change is not None:
+                self._note_switch(change, Decision(change.to_k, "reconfigured to static"))
         logger.info("replica %s reconfigured: %s", self.replica_id, user_config)
 
     def _update_class_acceptance(self) -> None:

@@ -68,3 +68,32 @@ def deploy_config(app: dict[str, Any], timeout_s: float = 600) -> None:
             raise RuntimeError(status.message)
         time.sleep(0.1)
     raise TimeoutError(f"application {app['name']} not running after {timeout_s} s")
+
+
+def bare_ingress(engine: Any, *, model_name: str = "target", kmax: int = 15,
+                 broadcast_timeout_s: float = 10.0, metrics: Any = None) -> Any:
+    """The ingress class under Serve's ASGI wrapper (whose async __del__ wants a running
+    replica), over a stand-in engine handle: its routes run without Ray or Serve."""
+    from app.ingress import Ingress
+
+    front = object.__new__(Ingress.__mro__[1])
+    front.engine, front.model_name, front.kmax, front.api_key = engine, model_name, kmax, None
+    front.broadcast_timeout_s, front.metrics = broadcast_timeout_s, metrics
+    return front
+
+
+def http_request(body: Any) -> Any:
+    """A POST request whose body is `body` (bytes as they are, else its JSON), for
+    `bare_ingress` routes."""
+    import json
+
+    from starlette.requests import Request
+
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": [],
+                    "query_string": b""}, receive)

@@ -271,6 +271,8 @@ def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(
     ({"model": "target", "prompt": "x", "top_k": -2}, 400),
     ({"model": "target", "prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400),
     ({"model": "target", "prompt": "x", "min_p": 0.1}, 400),
+    ({"model": "target", "prompt": "x", "stream_options": {"include_usage": True}}, 400),
+    ({"model": "target", "messages": CHAT, "top_logprobs": 2}, 400),
     # Fields that would change the output but that no engine here applies.
     ({"model": "target", "prompt": "x", "logit_bias": {"13": 100}}, 400),
     ({"model": "target", "prompt": "x", "echo": True}, 400),
@@ -390,8 +392,9 @@ def test_a_benchmark_run_leaves_the_app_on_the_policy_it_found(app_url, kind):
 
 
 def test_run_time_candidates_are_checked_and_the_policy_chooses_among_them(app_url):
-    """A bad candidate list gets a 400 and changes no replica; a good one alone (no policy)
-    rebuilds the running policy over the new tiers, so its choice holds at once."""
+    """A bad candidate list, or a policy that is not a config object, gets a 400 and changes
+    no replica; a good list alone (no policy) rebuilds the running policy over the new
+    tiers, so its choice holds at once."""
     def tiers() -> list[tuple[list[int], int]]:
         return sorted((r["candidates"], r["active_k"]) for r in replicas(app_url))
 
@@ -400,7 +403,8 @@ def test_run_time_candidates_are_checked_and_the_policy_chooses_among_them(app_u
     before = tiers()
     for bad in ({"candidates": [0, 99]}, {"candidates": "abc"}, {"candidates": 5},
                 {"candidates": [3, 1]}, {"candidates": []},
-                {"candidates": [0, 1], "initial_k": 3}):
+                {"candidates": [0, 1], "initial_k": 3},
+                {"policy": "goodput", "candidates": [0, 2, 5]}, {"policy": None}):
         response = httpx.post(admin, json=bad, timeout=30)
         assert response.status_code == 400, (bad, response.text)
         assert response.json()["error"]["type"] == "invalid_request_error"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 from app import router
 from app.router import RoutedReporter
 from app.telemetry_hub import ClusterState
+from policies.class_acceptance import DEFAULT_CLASS
 
 
 def test_hub_adds_routed_requests_not_yet_in_the_handler():
@@ -175,3 +177,66 @@ def test_requests_chosen_together_count_as_their_class_before_serve_confirms_the
     reserved_on = first[0][0].replica_id.unique_id
     load = next(load for load in seen[1] if load.replica_id == reserved_on)
     assert (load.load, load.same_class) == (1, 1)
+
+
+def test_a_request_that_completes_before_serve_reports_it_routed_leaves_no_count():
+    """Serve's order when the replica finishes while the router still awaits its accept:
+    the completion first, then the routing. Nothing may stay counted."""
+    gathering, replicas = _router_over(("r1", "r2"))
+    request = _request("q", "greedy")
+    ranks = asyncio.run(gathering.choose_replicas(replicas, request))
+    chosen = ranks[0][0].replica_id
+    gathering.on_request_completed(chosen, "q")
+    gathering.on_request_routed(request, chosen, None)
+    assert sum(gathering.in_flight.values()) == 0
+    assert all(not any(c.values()) for c in gathering.in_flight_classes.values())
+    assert not gathering._early and not gathering._reserved
+    # The next request is counted as usual.
+    gathering.on_request_routed(_request("next", "greedy"), chosen, None)
+    assert gathering.in_flight[chosen] == 1
+
+
+def test_a_retry_on_the_replica_that_rejected_it_is_counted_until_it_completes():
+    """A rejected attempt completes (Serve cancels it) without being routed; the retry that
+    lands on the same replica is a new routing, released by its own completion."""
+    gathering, replicas = _router_over(("r1",))
+    request = _request("q", "sampled")
+    replica = replicas[0].replica_id
+    asyncio.run(gathering.choose_replicas(replicas, request))
+    gathering.on_request_completed(replica, "q")  # rejected, cancelled
+    asyncio.run(gathering.choose_replicas(replicas, request))  # the retry
+    gathering.on_request_routed(request, replica, None)
+    assert gathering.in_flight[replica] == 1
+    gathering.on_request_completed(replica, "q")
+    assert gathering.in_flight[replica] == 0
+
+
+def test_early_completions_are_remembered_only_a_while_and_up_to_a_bound(monkeypatch):
+    gathering, replicas = _router_over(("r1",))
+    replica = replicas[0].replica_id
+    for i in range(router.EARLY_COMPLETIONS_MAX + 50):  # e.g. health probes, never routed
+        gathering.on_request_completed(replica, f"probe{i}")
+    assert len(gathering._early) == router.EARLY_COMPLETIONS_MAX
+    assert "probe0" not in gathering._early
+    clock = [time.monotonic() + router.EARLY_COMPLETION_S + 1]
+    monkeypatch.setattr(router.time, "monotonic", lambda: clock[0])
+    gathering.on_request_completed(replica, "late")
+    assert list(gathering._early) == ["late"]
+
+
+def test_without_an_event_loop_the_reporter_sends_once_and_schedules_nothing():
+    """A router callback run outside any event loop: non-zero counts are sent once (no
+    endless send -> refresh -> send recursion)."""
+    replica = _ReplicaID("r1")
+    reporter = RoutedReporter({replica: 2}, "router-a")
+    reporter.hub = _Recorder()
+    reporter.changed()
+    assert reporter.hub.calls == [{"r1": 2}]
+
+
+def test_a_payload_without_a_class_counts_as_the_class_the_replica_gives_it():
+    gathering, replicas = _router_over(("r1",))
+    replica = replicas[0].replica_id
+    request = SimpleNamespace(args=[{}], metadata=SimpleNamespace(internal_request_id="q"))
+    gathering.on_request_routed(request, replica, None)
+    assert dict(gathering.in_flight_classes[replica]) == {DEFAULT_CLASS: 1}

@@ -20,6 +20,8 @@ from app.router import (
     sample_candidates,
 )
 from app.telemetry_hub import PRIOR_DECAY, ClusterState
+from observability.metrics import ReplicaMetrics
+from observability.tracing import ActiveSpans
 from policies.class_acceptance import (
     FRESH_PERIODS,
     ClassAcceptance,
@@ -37,6 +39,7 @@ from replicas.engines.sglang_engine import SglangEngine
 from replicas.engines.sim_engine import SimulatedEngine
 from replicas.engines.sim_presets import PRESETS
 from replicas.engines.spec import EngineSpec
+from replicas.replica import EngineReplica
 from replicas.tier_pool import TierPool
 
 
@@ -660,6 +663,37 @@ def test_a_bad_candidate_change_leaves_the_pool_as_it_was(candidates, initial_k)
     assert (pool.candidates, pool.active_k, engine.k) == ((0, 1, 3, 7, 15), 7, 7)
     change = asyncio.run(pool.set_candidates((0, 2, 5)))
     assert (pool.candidates, pool.active_k, change.from_k) == ((0, 2, 5), 5, 7)
+
+
+@pytest.mark.parametrize("policy", ["goodput", None, {"name": "nope"}])
+def test_a_replica_given_a_bad_policy_with_new_candidates_changes_neither(policy):
+    """The candidates come first in a change, but a policy that cannot be built must not
+    leave the replica on the new tiers under its old policy."""
+    class Replica(EngineReplica):
+        def __del__(self) -> None:  # the real one shuts down a started replica's engine
+            pass
+
+    engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15)
+    replica = object.__new__(Replica)  # no Serve replica context needed
+    replica.replica_id, replica.engine = "r", engine
+    replica.pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=7)
+    asyncio.run(replica.pool.apply_initial())
+    replica.policy_config = {"name": "static", "k": 7}
+    replica.loop = ControlLoop(engine, replica.pool, build_policy(replica.policy_config,
+                                                                  replica.pool.candidates))
+    replica.metrics = ReplicaMetrics("r", replica.pool.candidates)
+    replica.active_spans = ActiveSpans()
+    policy_before = replica.loop.policy
+    try:
+        with pytest.raises(ValueError):
+            asyncio.run(replica._apply_config({"policy": policy, "candidates": [0, 2, 5]}))
+        assert (replica.pool.candidates, replica.pool.active_k) == ((0, 1, 3, 7, 15), 7)
+        assert replica.loop.policy is policy_before
+        asyncio.run(replica._apply_config({"policy": {"name": "static", "k": 2},
+                                           "candidates": [0, 2, 5]}))
+        assert (replica.pool.candidates, replica.pool.active_k) == ((0, 2, 5), 2)
+    finally:
+        replica.metrics.shutdown()
 
 
 def test_switches_made_at_once_apply_one_after_the_other():

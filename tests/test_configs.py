@@ -37,3 +37,26 @@ def test_the_draft_model_config_differs_from_the_default_only_in_drafter_and_pro
     assert default["engine"].pop("drafter") == "ngram"
     assert draft["policy"].pop("profile") != default["policy"].pop("profile")
     assert draft == default
+
+
+def engine_deployment(args: dict):
+    """The engine-replica deployment the builder binds under the ingress."""
+    from app.builder import build_app
+
+    return build_app(args)._bound_deployment.init_args[0]._bound_deployment
+
+
+def test_the_gpu_preset_reserves_its_tensor_parallel_gpus_for_each_replica() -> None:
+    """Two replicas on one GPU each, not both on GPU 0 (nor on a node without one)."""
+    args = yaml.safe_load((REPO_ROOT / "configs" / "gpu-llama3.1-8b-eagle3.yaml").read_text()
+                          )["applications"][0]["args"]
+    assert engine_deployment(args).ray_actor_options["num_gpus"] == \
+        AppArgs.model_validate(args).engine.tensor_parallel_size
+    assert engine_deployment({"engine": {"engine": "sim"}}).ray_actor_options["num_gpus"] == 0
+
+
+@pytest.mark.parametrize("limit", [0, -2])
+def test_a_queue_limit_serve_would_refuse_at_deploy_is_refused_with_the_args(limit) -> None:
+    with pytest.raises(ValueError, match="-1 \\(no limit\\) or at least 1"):
+        AppArgs.model_validate({"max_queued_requests": limit})
+    assert AppArgs.model_validate({"max_queued_requests": -1}).max_queued_requests == -1

@@ -1,5 +1,6 @@
 """The ingress's calls to every replica (`/metrics`, `/admin/*`): a failing replica is left out
-of a scrape, not a 500; replicas too slow to answer are a 503, not a request that hangs."""
+of a scrape, not a 500; replicas too slow to answer are a 503, not a request that hangs; a
+run-time change that is not valid is a 400 before any replica is called."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.ingress import APIError, Ingress
+from app.ingress import APIError
+from tests.conftest import bare_ingress, http_request
 
 
 class Replicas:
@@ -28,23 +30,25 @@ class Replicas:
         return SimpleNamespace(results_async=results_async)
 
 
-def ingress_over(replicas: Replicas, timeout_s: float = 10.0) -> Ingress:
-    # The class under Serve's ASGI wrapper (whose async __del__ wants a running replica):
-    # no Serve replica is needed for these calls.
-    front = object.__new__(Ingress.__mro__[1])
-    front.engine, front.broadcast_timeout_s = replicas, timeout_s
-    return front
-
-
 def test_a_failing_replica_is_left_out_of_what_the_others_answer():
-    front = ingress_over(Replicas([{"replica_id": "a"}, RuntimeError("dying"),
+    front = bare_ingress(Replicas([{"replica_id": "a"}, RuntimeError("dying"),
                                    {"replica_id": "c"}]))
     assert asyncio.run(front._from_every_replica("stats")) == [{"replica_id": "a"},
                                                                {"replica_id": "c"}]
 
 
 def test_replicas_too_slow_to_answer_are_a_503():
-    front = ingress_over(Replicas([{"replica_id": "a"}], delay_s=1.0), timeout_s=0.05)
+    front = bare_ingress(Replicas([{"replica_id": "a"}], delay_s=1.0), broadcast_timeout_s=0.05)
     with pytest.raises(APIError) as raised:
         asyncio.run(front._from_every_replica("metrics_snapshot"))
     assert raised.value.status == 503
+
+
+@pytest.mark.parametrize("policy", ["goodput", None, [], {"name": "nope"}])
+def test_a_policy_that_is_not_a_policy_config_is_a_400_before_any_replica_changes(policy):
+    """Not even the candidates sent with it reach a replica (the broadcast would fail)."""
+    front = bare_ingress(Replicas([AssertionError("no replica may be called")]))
+    with pytest.raises(APIError) as raised:
+        asyncio.run(front.set_policy(http_request({"policy": policy,
+                                                   "candidates": [0, 1, 3]})))
+    assert raised.value.status == 400 and "policy" in raised.value.message

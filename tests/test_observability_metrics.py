@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from observability.exposition import render_prometheus
 from observability.metrics import METRICS, ReplicaMetrics, RequestMetrics
+from observability.per_position import accumulate
 from replicas.engines.base import StepRecord
 from replicas.tier_pool import TierSwitch
 
@@ -219,3 +220,13 @@ def test_dashboard_queries_name_only_known_series() -> None:
                  "specserve_spec_acceptance_length", "specserve_generated_tokens_total",
                  "specserve_request_ttft_seconds", "specserve_request_tpot_seconds"):
         assert must in referenced
+
+
+def test_per_position_counts_add_and_subtract_growing_to_the_longer():
+    totals = [1, 2]
+    accumulate(totals, [10, 20, 30])
+    assert totals == [11, 22, 30]
+    accumulate(totals, [1, 2, 3, 4], sign=-1)
+    assert totals == [10, 20, 27, -4]
+    accumulate(totals, [])
+    assert totals == [10, 20, 27, -4]

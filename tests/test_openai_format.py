@@ -4,6 +4,7 @@ form and the chat form, the same whether the chunks stream or arrive as one."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 from app.ingress import request_status
 from app.openai_format import ChatFormat, CompletionFormat, sse
@@ -81,3 +82,37 @@ def test_a_stream_the_client_left_finishes_as_cancelled_not_ok():
     assert [request_status(e) for e in (None, RuntimeError("engine died"),
                                         asyncio.CancelledError())] == ["ok", "error",
                                                                       "cancelled"]
+
+
+def streamed(chunks: list[dict | Exception], include_usage: bool) -> list[str]:
+    """The events `sse` sends for these chunks (an exception: the replica failed there)."""
+    async def source():
+        for item in chunks:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    async def finish(last, error):
+        pass
+
+    async def scenario() -> list[str]:
+        return [event async for event in sse(source(), ChatFormat("r", "t"), include_usage,
+                                             finish, lambda e: {"error": {"message": "x"}})]
+
+    return [event.removeprefix("data: ").strip() for event in asyncio.run(scenario())]
+
+
+def test_with_include_usage_every_chunk_carries_null_usage_and_the_last_the_counts():
+    *events, done = streamed([chunk(ENTRIES[:1]), chunk(ENTRIES[1:], "stop")], True)
+    bodies = [json.loads(event) for event in events]
+    assert done == "[DONE]"
+    assert [body["usage"] for body in bodies[:-1]] == [None, None]
+    assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["total_tokens"] == 6
+    assert all("usage" not in json.loads(event) for event in streamed([chunk(ENTRIES)],
+                                                                       False)[:-1])
+
+
+def test_a_stream_that_fails_midway_reports_the_error_then_ends_with_done():
+    events = streamed([chunk(ENTRIES[:1]), RuntimeError("replica died")], True)
+    assert json.loads(events[1]) == {"error": {"message": "x"}}
+    assert events[2:] == ["[DONE]"]

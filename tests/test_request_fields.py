@@ -27,12 +27,14 @@ def test_every_control_handed_on_has_the_same_default_on_both_sides():
 def test_null_means_the_default_as_in_openais_api():
     request = completion(temperature=None, top_p=None, n=None, presence_penalty=None,
                          frequency_penalty=None, repetition_penalty=None, top_k=None,
-                         min_tokens=None, ignore_eos=None)
+                         min_tokens=None, ignore_eos=None, stream=None, logprobs=None,
+                         echo=None)
     assert request == completion()
     chat = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user",
                                                                   "content": "hi"}],
-                                       "temperature": None})
-    assert chat.temperature == 1.0
+                                       "temperature": None, "stream": None,
+                                       "logprobs": None})
+    assert (chat.temperature, chat.stream, chat.logprobs) == (1.0, False, False)
 
 
 @pytest.mark.parametrize(("fields", "reason"), [
@@ -47,6 +49,21 @@ def test_null_means_the_default_as_in_openais_api():
 def test_a_control_outside_what_the_engines_do_is_refused_with_its_reason(fields, reason):
     with pytest.raises(ValidationError, match=reason):
         completion(**fields)
+
+
+def test_options_of_a_feature_not_asked_for_are_refused_not_ignored():
+    """As vLLM: stream_options without a stream, top_logprobs without logprobs."""
+    with pytest.raises(ValidationError, match="stream_options can only be set when stream"):
+        completion(stream_options={"include_usage": True})
+    with pytest.raises(ValidationError, match="stream_options can only be set when stream"):
+        chat("hi", stream=False, stream_options={"include_usage": True})
+    with pytest.raises(ValidationError, match="top_logprobs can only be set when logprobs"):
+        chat("hi", top_logprobs=2)
+    with pytest.raises(ValidationError, match="top_logprobs can only be set when logprobs"):
+        chat("hi", logprobs=False, top_logprobs=0)
+    assert completion(stream=True, stream_options={"include_usage": True}).stream_options
+    assert chat("hi", logprobs=True, top_logprobs=2).top_logprobs == 2
+    assert chat("hi", stream_options=None, top_logprobs=None).top_logprobs is None
 
 
 def test_the_controls_within_range_are_kept():

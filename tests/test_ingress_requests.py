@@ -1,0 +1,146 @@
+"""The ingress's request path over a stand-in engine handle (no Ray, no Serve): every request
+closes its span and is counted once, whatever ends it; a failure before the first chunk is a
+503 only when no replica could take the request; a body nested too deeply is a 400."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
+
+from app.ingress import APIError, error_response, lone_surrogate_at
+from observability import tracing
+from tests.conftest import bare_ingress, http_request
+
+WAIT = "wait"  # the replica never answers (the request queues, or its prompt is prefilled)
+CHUNK = {"text": "hi", "token_ids": [1], "prompt_tokens": 2, "completion_tokens": 1,
+         "finish_reason": "length", "logprobs": None}
+
+
+class Stream:
+    """A response stream that raises, waits forever or yields its chunks."""
+
+    def __init__(self, outcome: BaseException | str | list[dict[str, Any]]):
+        self.outcome = outcome
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        if self.outcome == WAIT:
+            await asyncio.Event().wait()
+        if not self.outcome:
+            raise StopAsyncIteration
+        return self.outcome.pop(0)
+
+
+class Engine:
+    """Stands in for the engine deployment's handle: one outcome per request sent."""
+
+    def __init__(self, *outcomes: BaseException | str | list[dict[str, Any]]):
+        self.outcomes, self.sent = list(outcomes), 0
+
+    def options(self, stream: bool) -> Engine:
+        return self
+
+    @property
+    def generate(self) -> Engine:
+        return self
+
+    def remote(self, payload: dict[str, Any]) -> Stream:
+        self.sent += 1
+        return Stream(self.outcomes.pop(0))
+
+
+class Recorded:
+    """Stands in for the ingress's RequestMetrics: the status of each recorded request."""
+
+    def __init__(self) -> None:
+        self.statuses: list[str] = []
+
+    def record_request(self, model: str, **fields: Any) -> None:
+        self.statuses.append(fields["status"])
+
+
+@pytest.fixture
+def spans_finished(monkeypatch: pytest.MonkeyPatch) -> list[BaseException | None]:
+    """The error each finished span was closed with."""
+    finished: list[BaseException | None] = []
+    monkeypatch.setattr(tracing, "finish_span",
+                        lambda span, error=None, **_: finished.append(error))
+    return finished
+
+
+def completion(engine: Engine, recorded: Recorded) -> Any:
+    front = bare_ingress(engine, metrics=recorded)
+    return front.completions(http_request({"model": "target", "prompt": "x"}))
+
+
+def test_a_client_that_leaves_while_its_request_waits_is_counted_cancelled(spans_finished):
+    recorded = Recorded()
+
+    async def scenario() -> None:
+        task = asyncio.create_task(completion(Engine(WAIT), recorded))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert recorded.statuses == ["cancelled"]
+    assert len(spans_finished) == 1
+
+
+@pytest.mark.parametrize(("outcomes", "status", "sent"), [
+    ((RayActorError(), RayActorError()), 503, 2),  # died twice before answering
+    ((BackPressureError(num_queued_requests=3, max_queued_requests=2),), 503, 1),
+    # An engine fault fails the same input every time: no retry, no Retry-After.
+    ((ValueError("engine bug: secret detail"),), 500, 1),
+])
+def test_a_failure_before_the_first_chunk_is_answered_counted_and_closed_once(
+        spans_finished, outcomes, status, sent):
+    engine, recorded = Engine(*outcomes), Recorded()
+    with pytest.raises(APIError) as raised:
+        asyncio.run(completion(engine, recorded))
+    response = error_response(raised.value)
+    assert response.status_code == status
+    assert ("retry-after" in response.headers) == (status == 503)
+    assert "secret" not in raised.value.message, "the cause goes to the log, not the client"
+    assert engine.sent == sent
+    assert recorded.statuses == ["error"]
+    assert len(spans_finished) == 1 and spans_finished[0] is not None
+
+
+def test_a_replica_that_died_before_answering_gets_the_request_once_more(spans_finished):
+    engine, recorded = Engine(RayActorError(), [dict(CHUNK)]), Recorded()
+    body = asyncio.run(completion(engine, recorded))
+    assert body["choices"][0]["text"] == "hi" and engine.sent == 2
+    assert recorded.statuses == ["ok"] and spans_finished == [None]
+
+
+def nested(depth: int, inner: str = "[]") -> str:
+    return "[" * depth + inner + "]" * depth
+
+
+@pytest.mark.parametrize("route", ["completions", "chat_completions", "set_policy"])
+def test_a_body_nested_deeper_than_the_parser_goes_is_a_400(route):
+    front = bare_ingress(Engine())
+    with pytest.raises(APIError) as raised:
+        asyncio.run(getattr(front, route)(http_request(nested(1200).encode())))
+    assert raised.value.status == 400 and "nested too deeply" in raised.value.message
+
+
+def test_a_lone_surrogate_is_found_at_any_depth_without_recursion():
+    deep: Any = "\ud800"
+    for _ in range(5000):  # deeper than the interpreter's recursion limit
+        deep = [deep]
+    assert lone_surrogate_at({"model": "target", "stop": ["ok", "\udfff"], "x": deep}) == \
+        "stop.1"
+    assert lone_surrogate_at({"x": deep}) == "x" + ".0" * 5000
+    assert lone_surrogate_at(json.loads(nested(900, '"ok"'))) is None
