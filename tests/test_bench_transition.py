@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from bench.http_suite import end_leftovers, result_name, result_stem, transition_command
-from bench.report import RatioInterval, percentile
+from bench.report import RatioInterval, percentile, t_975
 from bench.transition import (
     again,
     bench,
@@ -280,9 +280,14 @@ def test_the_summary_gives_each_modes_tail_latency_and_older_runs_read_without_i
 
 
 def test_percentiles_are_taken_by_nearest_rank() -> None:
+    """The value at rank ceil(q% of n): of 100 values the p99 is the 99th, not the maximum."""
     latencies = [float(i) for i in range(1, 101)]  # 1 .. 100
-    assert percentile(latencies, 99) == 100.0 and percentile(latencies, 50) == 51.0
-    assert percentile(list(reversed(latencies)), 99) == 100.0
+    assert percentile(latencies, 99) == 99.0 and percentile(latencies, 50) == 50.0
+    assert percentile(list(reversed(latencies)), 99) == 99.0
+    assert percentile(latencies, 99.5) == 100.0 and percentile(latencies, 100) == 100.0
+    assert percentile(latencies, 0) == 1.0
+    assert percentile(range(100), 99) == 98 and percentile([1, 2, 3, 4], 50) == 2
+    assert percentile([1, 2, 3], 50) == 2
     assert percentile([2.5], 99) == 2.5 and percentile([], 99) is None
 
 
@@ -363,6 +368,17 @@ def test_a_ratio_interval_is_a_t_interval_on_the_logs_of_the_rounds_ratios() -> 
     assert RatioInterval.of([0.8, 0.82, 0.79]).against(0.9) == "below"
     assert RatioInterval.of([1.1]) is None, "one round has no spread to judge by"
     assert RatioInterval.of([1.1, 0.0]) is None, "a round where a mode made nothing has no log"
+
+
+@pytest.mark.parametrize(("degrees_of_freedom", "exact", "tolerance"), [
+    # Exact two-sided 95% quantiles (from the regularised incomplete beta function): the
+    # table's, rounded to three places, then the expansion's past it.
+    (1, 12.706205, 1e-3), (5, 2.570582, 1e-3), (10, 2.228139, 1e-3), (30, 2.042272, 1e-3),
+    (31, 2.039513, 1e-4), (33, 2.034515, 1e-4), (40, 2.021075, 1e-4), (60, 2.000298, 1e-4),
+    (100, 1.983972, 1e-4), (1000, 1.962339, 1e-4)])
+def test_t_quantiles_match_the_exact_values(degrees_of_freedom: int, exact: float,
+                                            tolerance: float) -> None:
+    assert t_975(degrees_of_freedom) == pytest.approx(exact, abs=tolerance)
 
 
 def test_verdicts_against_statics_come_from_the_rounds_not_the_medians() -> None:
