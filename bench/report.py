@@ -30,6 +30,22 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[min(len(ordered), max(1, rank)) - 1]
 
 
+def quotient(value: float, base: float) -> float:
+    """`value / base`, nan where the base is 0 (a mode that made nothing, or none that met
+    the SLO), so one such mode cannot lose the others' results."""
+    return value / base if base else math.nan
+
+
+def ratio(value: float, base: float) -> str:
+    """`value / base` to three places; "n/a" where the base made nothing."""
+    return number(quotient(value, base), 3)
+
+
+def number(value: float | None, places: int = 2) -> str:
+    """`value` to `places` places; "n/a" for None (not measured) and nan (no base)."""
+    return "n/a" if value is None or math.isnan(value) else f"{value:.{places}f}"
+
+
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A titled markdown table (returned, so callers can print it and save it)."""
     lines = [f"### {title}", "", "| " + " | ".join(header) + " |",
@@ -85,8 +101,9 @@ class RatioInterval:
     @classmethod
     def of(cls, ratios: Sequence[float]) -> RatioInterval | None:
         """None for fewer than two ratios, or where a mode made nothing in some round (a
-        ratio of 0 has no log; the report's medians show that round)."""
-        if len(ratios) < 2 or min(ratios) <= 0:
+        ratio of 0 has no log, nor one of nan, from a base of 0; the report's medians show
+        that round)."""
+        if len(ratios) < 2 or not all(r > 0 for r in ratios):  # nan too
             return None
         logs = [math.log(r) for r in ratios]
         centre = statistics.fmean(logs)

@@ -18,7 +18,9 @@ from bench.report import (
     compare_to_statics,
     interval_verdict,
     is_static,
+    number,
     print_table,
+    ratio,
     verdict,
 )
 
@@ -112,16 +114,6 @@ def versus_statics_table(modes: dict[str, Any], comparisons: list[tuple[str, str
         "interval] of the adaptive mode over the static in the same round, which sets the "
         "verdict where there are rounds)",
         ["adaptive", "static", "delta", "round by round", "verdict"], rows)
-
-
-def ratio(value: float, base: float) -> str:
-    """`value / base` to three places; "n/a" where the base made nothing (every request of
-    a static mode failed, say), so one failed mode cannot lose the others' report."""
-    return f"{value / base:.3f}" if base else "n/a"
-
-
-def number(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
 
 
 def acceptance_contrast(modes: dict[str, Any], phase_names: list[str]) -> str | None:
