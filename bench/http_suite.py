@@ -28,6 +28,7 @@ import psutil
 import yaml
 
 from bench.foreign_cpu import ForeignCpu, ForeignCpuReport
+from bench.load import is_loopback
 from bench.transition_report import report
 
 RESULTS = Path("bench/results")
@@ -146,7 +147,7 @@ def ray_clusters_running() -> str:
 def serving(config: Path, url: str, startup_timeout_s: float) -> Iterator[dict[str, str]]:
     """`serve run config` until the block ends (loopback only); yields the environment the
     benchmark clients should run with."""
-    if not url.startswith(("http://127.0.0.1", "http://localhost")):
+    if not is_loopback(url):
         raise SystemExit("the benchmark starts its own app: use a loopback URL")
     if running := ray_clusters_running():
         # `serve run` would join it, and a teardown that needs `ray stop --force` ends it.

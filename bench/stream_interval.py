@@ -35,10 +35,9 @@ import yaml
 from bench.foreign_cpu import ForeignCpu, ForeignCpuReport
 from bench.http_suite import serving
 from bench.report import percentile, print_table
-from bench.workloads import HIGH, LOW
+from bench.workloads import MIX
 
 RESULTS = Path("bench/results")
-MIX = tuple(p for pair in zip(HIGH, LOW, strict=True) for p in pair)
 
 
 @dataclass

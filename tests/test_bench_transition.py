@@ -16,7 +16,15 @@ import httpx
 import psutil
 import pytest
 
-from bench.http_suite import end_leftovers, result_name, result_stem, transition_command
+from bench.http_suite import (
+    end_leftovers,
+    result_name,
+    result_stem,
+    serving,
+    transition_command,
+)
+from bench.load import is_loopback, run_load
+from bench.policy_replay import phases_for
 from bench.report import RatioInterval, percentile, t_975
 from bench.transition import (
     again,
@@ -39,6 +47,7 @@ from bench.transition_report import (
     report,
     typical_round,
 )
+from bench.workloads import HIGH, LOW, MIX, interleaved
 
 
 def _round(throughput: float, low: float, errors: int, switches: int) -> dict:
@@ -184,6 +193,36 @@ def test_a_subset_of_phases_runs_in_the_workloads_order() -> None:
     assert [p.concurrency for p in select_phases(phases, ["c64"])] == [64]
     with pytest.raises(SystemExit, match="c32"):
         select_phases(phases, ["c32"])
+
+
+def test_the_http_sweep_mixes_both_kinds_of_text_and_the_replay_sweep_has_its_shape() -> None:
+    """One sweep shape for both benchmarks; the HTTP phases alternate repetitive and free
+    text, the replay's hold one class each (its tables say so)."""
+    http = sweep_phases(16)
+    assert [(p.name, p.concurrency, p.requests) for p in http] == \
+        [("c1", 1, 16), ("c16", 16, 32), ("c64", 64, 128), ("c1_end", 1, 16)]
+    assert all(p.prompts == MIX for p in http)
+    assert [p.request_class for p in MIX[:4]] == ["high", "low", "high", "low"]
+    assert len(MIX) == len(HIGH) + len(LOW)
+    replay = phases_for("sweep", requests=16, concurrency=8)
+    assert [(p.name, p.concurrency, p.requests) for p in replay] == \
+        [(p.name, p.concurrency, p.requests) for p in http]
+    assert [p.request_class for p in replay] == ["low", "high", "low", "high"]
+    assert interleaved(LOW, HIGH)[:2] == (LOW[0], HIGH[0])
+
+
+@pytest.mark.parametrize(("url", "loopback"), [
+    ("http://127.0.0.1:8000", True), ("http://localhost:8000/v1", True),
+    ("http://127.0.0.1", True), ("http://localhost.example.com:8000", False),
+    ("http://127.0.0.1.example.com", False), ("https://127.0.0.1:8000", False),
+    ("http://10.0.0.1:8000", False)])
+def test_the_benchmarks_load_only_this_machine(url: str, loopback: bool) -> None:
+    assert is_loopback(url) is loopback
+    if not loopback:
+        with pytest.raises(ValueError, match="loopback"):
+            asyncio.run(run_load(url, requests=1, concurrency=1, time_limit_s=1))
+        with pytest.raises(SystemExit, match="loopback"), serving(Path("x.yaml"), url, 1):
+            pass
 
 
 def test_the_suite_ends_processes_the_app_left_running() -> None:

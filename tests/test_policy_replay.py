@@ -18,6 +18,7 @@ from bench.policy_replay import (
     PhaseResult,
     phases_for,
     replay,
+    report,
     summarise,
 )
 from replicas.engines.base import GenerationRequest
@@ -79,6 +80,22 @@ def test_the_oracle_weighs_each_phase_by_its_tokens() -> None:
                        "static3": mode((100, 2.0), (900, 1.0))}, ["a", "b"])
     assert modes["oracle"]["phases"] == {"a": 100.0, "b": 900.0}
     assert modes["oracle"]["throughput"] == pytest.approx(1000 / 2.0)
+
+
+def test_the_sweep_tables_say_each_phase_holds_one_class() -> None:
+    """The replay's sweep is not the HTTP one (which mixes both classes in every phase): its
+    tables' titles name each phase's class; the transition's names already do."""
+    def tables(workload: str) -> str:
+        phases = phases_for(workload, requests=16, concurrency=8)
+        result = ModeResult(phases={p.name: PhaseResult(100, 1.0, 50) for p in phases})
+        modes = summarise({"static1": result, "goodput": result}, [p.name for p in phases])
+        return report(modes, phases, {"goodput": 1.0})
+
+    note = "one class a phase: c1 low, c16 high, c64 low, c1_end high)"
+    sweep = tables("sweep")
+    assert f"### OVERALL AND PER PHASE (tok/s, simulated time; {note}" in sweep
+    assert f"### RATIOS (vs best static = static1; per phase vs oracle; {note}" in sweep
+    assert "one class a phase" not in tables("transition")
 
 
 def test_a_run_cut_at_max_run_never_lands_deeper() -> None:
