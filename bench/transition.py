@@ -303,8 +303,15 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     combined = {mode: combine(runs[:finished]) for mode, runs in rounds.items()}
     results = {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,
                "rounds": finished, "phases": [p.name for p in phases],
+               # The load and what it ran on, so runs of another shape are not pooled.
+               "requests": [p.requests for p in phases],
+               "concurrency": [p.concurrency for p in phases], "warmup": args.warmup,
+               "model": client.model, "replicas": len(found),
+               "candidates": found[0]["candidates"],
                "policies": policies,  # what each mode ran, so a run can be repeated
                "modes": {mode: combined[mode] for mode in args.modes}}
+    if args.app_config:
+        results["app_config"] = args.app_config
     if stopped_by:
         results["stopped_early"] = {"rounds_asked": args.rounds, "error": stopped_by}
     if args.aa_control:  # kept apart: no table but its own may count it as a mode
@@ -386,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "reported apart as the run's noise (an A/A test)")
     parser.add_argument("--phases", type=lambda s: s.split(","), default=None,
                         help="run only these of the workload's phases (default: all)")
+    parser.add_argument("--app-config", default=None,
+                        help="the config the app was started from, recorded in the results "
+                             "(the app does not say; runs of different ones are not pooled)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)

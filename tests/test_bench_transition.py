@@ -40,6 +40,7 @@ from bench.transition import (
     with_aa_copy,
 )
 from bench.transition_report import (
+    RUN_SHAPE,
     combine,
     paired_ratios,
     plot,
@@ -264,6 +265,10 @@ def test_the_suite_runs_each_workload_with_the_issues_settings_and_a_rounds_over
         assert (parsed.rounds, parsed.workload, parsed.requests) == (expected, "sweep", 16)
         assert parsed.json == stem.with_suffix(".json")
         assert parsed.aa_control == "goodput" and "static0" in parsed.modes
+        assert parsed.app_config == "serve_config.yaml"
+    command = transition_command("http://127.0.0.1:8000", "sweep", stem, 4,
+                                 Path("configs/cpu-draft-model.yaml"))
+    assert build_parser().parse_args(command[3:]).app_config == "configs/cpu-draft-model.yaml"
 
 
 def test_the_aa_copy_runs_half_a_round_from_its_twin_in_every_round() -> None:
@@ -336,8 +341,12 @@ def test_a_round_records_every_requests_latency_by_phase(monkeypatch) -> None:
     args = argparse.Namespace(url="http://127.0.0.1:1", model="m", max_tokens=10, api_key=None,
                               workload="transition", requests=3, concurrency=2, warmup=1,
                               phases=None, modes=["static1"], defined={}, aa_control=None,
-                              rounds=1)
+                              rounds=1, app_config="configs/x.yaml")
     results = asyncio.run(bench(args))
+    # The load and the deployment, for `pool` to compare.
+    assert {key: results[key] for key in RUN_SHAPE} == {
+        "requests": [3] * 4, "concurrency": [2] * 4, "warmup": 1, "model": "m", "replicas": 1,
+        "candidates": [0, 1, 3], "app_config": "configs/x.yaml"}
     run = results["modes"]["static1"]["rounds"][0]
     assert {phase: len(latencies) for phase, latencies in run["phase_latencies_s"].items()} \
         == dict.fromkeys(["low_1", "high_1", "low_2", "high_2"], 3)
@@ -359,6 +368,8 @@ class FlakyApp:
     change: every request completes at once with 10 tokens."""
 
     fail_on_change = 0
+
+    model = "m"
 
     def __init__(self, *_: object) -> None:
         self.changes = 0
@@ -386,7 +397,7 @@ def test_a_run_the_app_fails_partway_keeps_the_rounds_every_mode_finished(monkey
     args = argparse.Namespace(url="http://127.0.0.1:1", model="m", max_tokens=10, api_key=None,
                               workload="transition", requests=2, concurrency=1, warmup=1,
                               phases=None, modes=["static1", "static3", "goodput"],
-                              defined={}, aa_control=None, rounds=4)
+                              defined={}, aa_control=None, rounds=4, app_config=None)
     results = asyncio.run(bench(args))
     assert results["rounds"] == 2 and "the app went away" in \
         results["stopped_early"]["error"]
@@ -492,3 +503,21 @@ def test_runs_pool_into_one_run_of_all_their_rounds() -> None:
     with pytest.raises(ValueError, match="policy configs"):
         pool([first, {**second, "policies": {"goodput": {"name": "goodput",
                                                          "switch_margin": 0.15}}}])
+
+
+@pytest.mark.parametrize(("key", "value", "other"), [
+    ("requests", [16] * 4, [32] * 4), ("concurrency", [8] * 4, [4] * 4), ("warmup", 8, 0),
+    ("model", "target", "other"), ("replicas", 2, 1), ("candidates", [0, 1, 3], [0, 1]),
+    ("app_config", "serve_config.yaml", "configs/cpu-draft-model.yaml")])
+def test_runs_of_another_load_or_deployment_are_not_pooled(key: str, value: object,
+                                                           other: object) -> None:
+    """Runs that record different loads or deployments are refused; a run recorded before
+    the field existed pools with either (the committed pooled runs predate them all)."""
+    def run(**recorded: object) -> dict:
+        return {"workload": "transition", "max_tokens": 256, "phases": ["low_1", "high_1"],
+                "rounds": 1, "policies": {},
+                "modes": {"static1": combine([_round(400, 200, 0, 0)])}, **recorded}
+
+    with pytest.raises(ValueError, match=f"differ in {key}"):
+        pool([run(**{key: value}), run(**{key: other})])
+    assert pool([run(**{key: value}), run(**{key: value}), run()])["rounds"] == 3
