@@ -46,7 +46,7 @@ lint: install
 
 # Every benchmark whose results the README shows, then its result tables regenerated from
 # bench/results/: simulator replays and the cluster simulation (minutes), the observability
-# overhead (simulated serving, about a minute), the vLLM engine benchmark (minutes), and the
+# overhead (simulated serving, under a minute), the vLLM engine benchmark (minutes), and the
 # HTTP benchmarks against `serve run serve_config.yaml` and the draft-model config, each
 # started and stopped here (about 52 minutes on 2 cores for the default's with the streaming
 # one, and about 80 more for the draft model's: its sweep rounds take about 9.5 minutes).
@@ -69,7 +69,7 @@ bench-cluster: install
 	$(BIN)/python -m bench.cluster_sim
 
 bench-observability: install
-	$(BIN)/python -m bench.observability_overhead
+	$(BIN)/python -m bench.observability_overhead --repeats 9  # as the committed results
 
 bench-engine: install
 	$(BIN)/python -m bench.engine_bench --markdown bench/results/engine_bench.md
