@@ -1,4 +1,4 @@
-"""Streamed requests with and without coalescing their chunks, side by side in one run.
+"""Streamed requests with and without coalescing their chunks: one app per interval, in turn.
 
     python -m bench.stream_interval                  # 0 and 50 ms, concurrency 8 and 64
     python -m bench.stream_interval --intervals 0,20,50 --concurrency 8,64 --rounds 3
@@ -12,7 +12,9 @@ sweep's prompts (greedy repetitive text, sampled free text), `stream: true`, 256
 Reported per interval and concurrency (medians over rounds): throughput, time to the first
 token, SSE events per request, the 99th percentile of the gap between a request's events,
 and the machine's CPU seconds per thousand tokens (from /proc/stat: every process, the
-client's parsing included). Ratios against the first interval follow.
+client's parsing included); and the failed requests, summed over rounds (an error status, an
+in-band error event, a stream cut before `[DONE]`), whose tokens, first token and gaps count
+in none of the others. Ratios against the first interval follow.
 """
 
 from __future__ import annotations
