@@ -18,7 +18,7 @@ and comes mostly from one tenant. Modes:
 
 | mode | policy | concurrency seen | cluster prior | routing |
 |---|---|---|---|---|
-| static1..static15 | static K | - | no | power of two choices (Ray Serve's default) |
+| static0..static15 | static K | - | no | power of two choices (Ray Serve's default) |
 | batch_table | vLLM's table | local batch | no | power of two choices |
 | ema | SGLang's EMA | local batch | no | power of two choices |
 | goodput_local | goodput | local batch | no | power of two choices |

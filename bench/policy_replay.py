@@ -50,11 +50,15 @@ PUBLISHED_H20 = {"static1": (1093.0, 931.3, 1076.1, 1034.3, 1454.2),
                  "static15": (1301.3, 906.9, 865.7, 1578.8, 5458.2)}
 # Its mean acceptance lengths (we read them as the mean over the four phases).
 PUBLISHED_H20_ACCEPT_LEN = {"static1": 1.73, "static3": 2.88, "static7": 4.46, "static15": 6.36}
-STATIC = ("static1", "static3", "static7", "static15")
+# Every candidate tier as a static mode, K=0 too: the adaptive modes run it (the cpu-demo
+# presets' low phases), so the best static and the per-phase oracle must offer it.
+STATIC = tuple(f"static{k}" for k in CANDIDATES)
 ADAPTIVE = ("batch_table", "ema", "goodput", "stability")
 # The replay's sweep runs one class a phase: concurrency and class change together.
 SWEEP_CLASSES = ("low", "high", "low", "high")
-# How often a replica of the app folds its requests' outcomes into its class statistics.
+# How often a replica of the app folds its requests' outcomes into its class statistics and
+# exchanges them with the hub (the app's `telemetry_period_s` default); the cluster
+# simulation's too.
 TELEMETRY_PERIOD_S = 0.5
 
 

@@ -10,10 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.cluster import fleet
 from bench.policy_replay import (
     ADAPTIVE,
+    CANDIDATES,
     PUBLISHED_H20,
     STATIC,
+    TELEMETRY_PERIOD_S,
     ModeResult,
     PhaseResult,
     phases_for,
@@ -57,6 +60,25 @@ def test_goodput_beats_the_best_static_and_tracks_the_oracle_per_phase(modes: di
         assert modes["goodput"]["phases"][name] >= 0.95 * modes["oracle"]["phases"][name], name
     # A phase change needs one switch, and a probe of the next tier may add one more.
     assert modes["goodput"]["switches"] <= 2 * len(PHASES)
+
+
+def test_the_statics_are_every_candidate_tier_in_the_replay_and_the_fleet() -> None:
+    assert [int(m.removeprefix("static")) for m in STATIC] == list(CANDIDATES)
+    assert fleet.STATIC == STATIC and fleet.TELEMETRY_PERIOD_S == TELEMETRY_PERIOD_S
+
+
+def test_the_oracle_offers_k0_where_the_adaptive_modes_run_it() -> None:
+    """On cpu-demo the low phases run best at K=0, where `goodput` goes: the best static of
+    each phase includes static0, so `goodput` there is about the oracle, not above it (1.10x
+    to 1.11x when the statics began at K=1)."""
+    phases = phases_for("transition", requests=16, concurrency=8)
+    results = {mode: asyncio.run(replay(mode, "cpu-demo", phases, max_tokens=256))
+               for mode in ("static0", "static1", "goodput")}
+    modes = summarise(results, PHASES)
+    for name in ("low_1", "low_2"):
+        assert modes["oracle"]["phases"][name] == modes["static0"]["phases"][name]
+        assert 0.95 < modes["goodput"]["phases"][name] / modes["oracle"]["phases"][name] \
+            <= 1.01, name
 
 
 def test_acceptance_mixture_matches_its_expected_run_length() -> None:
