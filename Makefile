@@ -13,7 +13,8 @@ STAMP := $(VENV)/.installed-$(if $(HAS_CUDA),gpu,cpu)
 export RAY_AUTH_MODE ?= disabled
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: install serve test lint bench bench-replay bench-cluster bench-engine bench-http bench-http-draft bench-stream models clean
+.PHONY: install serve test lint bench bench-replay bench-cluster bench-observability bench-engine \
+	bench-http bench-http-draft bench-stream models clean
 
 install: $(STAMP)
 
@@ -39,12 +40,20 @@ test: install
 lint: install
 	$(BIN)/ruff check .
 
-# Every benchmark, then the README's result tables regenerated from bench/results/:
-# simulator replays and the cluster simulation (minutes), the vLLM engine benchmark (minutes),
-# and the HTTP benchmarks against `serve run serve_config.yaml` and the draft-model config,
-# each started and stopped here (about 52 minutes on 2 cores for the default's with the streaming
+# One target at a time, even under `make -j`: the benchmarks measure the machine (two at
+# once would measure each other), and two `serve run`s would clash on the port and Ray.
+.NOTPARALLEL:
+
+# Every benchmark whose results the README shows, then its result tables regenerated from
+# bench/results/: simulator replays and the cluster simulation (minutes), the observability
+# overhead (simulated serving, under a minute), the vLLM engine benchmark (minutes), and the
+# HTTP benchmarks against `serve run serve_config.yaml` and the draft-model config, each
+# started and stopped here (about 52 minutes on 2 cores for the default's with the streaming
 # one, and about 80 more for the draft model's: its sweep rounds take about 9.5 minutes).
-bench: bench-replay bench-cluster bench-engine bench-http bench-http-draft bench-stream
+# Left out: `bench.load`, a bounded load test against an app already running (with
+# --kill-replica-at it kills a replica): a reliability check, not a result.
+bench: bench-replay bench-cluster bench-observability bench-engine bench-http \
+	bench-http-draft bench-stream
 	$(BIN)/python -m bench.readme_tables
 
 bench-replay: install
@@ -58,6 +67,9 @@ bench-replay: install
 
 bench-cluster: install
 	$(BIN)/python -m bench.cluster_sim
+
+bench-observability: install
+	$(BIN)/python -m bench.observability_overhead --repeats 9  # as the committed results
 
 bench-engine: install
 	$(BIN)/python -m bench.engine_bench --markdown bench/results/engine_bench.md

@@ -18,7 +18,7 @@ and comes mostly from one tenant. Modes:
 
 | mode | policy | concurrency seen | cluster prior | routing |
 |---|---|---|---|---|
-| static1..static15 | static K | - | no | power of two choices (Ray Serve's default) |
+| static0..static15 | static K | - | no | power of two choices (Ray Serve's default) |
 | batch_table | vLLM's table | local batch | no | power of two choices |
 | ema | SGLang's EMA | local batch | no | power of two choices |
 | goodput_local | goodput | local batch | no | power of two choices |
@@ -203,12 +203,13 @@ def main() -> None:
         except BaseException:  # a failed run or Ctrl-C: do not wait for the queued ones
             pool.shutdown(cancel_futures=True)
             raise
+    # First: whatever goes wrong in the report, the simulations are kept.
+    args.json.write_text(json.dumps({"preset": PRESET, "slo_ttft_s": args.slo_ttft,
+                                     "slo_tpot_s": args.slo_tpot, "runs": runs}, indent=2))
     complete = {n: r for n, r in runs.items() if "verdicts" in r}
     text = report(complete) if complete else ""
     print(f"\nSIMULATOR preset {PRESET}; SLO: TTFT <= {args.slo_ttft} s and TPOT <= "
           f"{args.slo_tpot * 1000:.0f} ms\n\n{text}")
-    args.json.write_text(json.dumps({"preset": PRESET, "slo_ttft_s": args.slo_ttft,
-                                     "slo_tpot_s": args.slo_tpot, "runs": runs}, indent=2))
     if complete:
         args.markdown.write_text(text + "\n")
         plot(complete, args.plot)

@@ -24,7 +24,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.report import percentile
+from bench.report import number, percentile
 from bench.workloads import HIGH, LOW, Prompt
 from replicas.engines.base import Engine, GenerationRequest, StepRecord
 from replicas.engines.spec import EngineSpec
@@ -148,19 +148,34 @@ async def acceptance_summary(engine: Engine, pool: TierPool, drafter: str
     return summary
 
 
-async def switch_cost(engine: Engine, pool: TierPool, switches: int) -> dict[str, float]:
+def switch_targets(switches: int, tiers: tuple[int, ...] = TIERS) -> list[int]:
+    """The tiers `switch_cost` switches to, in order: K=0 and each drafting tier in turn
+    (0, 1, 0, 3, 0, 7, 0, 15, 0, 1, ...), so every tier is switched to and from."""
+    drafting = [k for k in tiers if k]
+    return [drafting[i // 2 % len(drafting)] if i % 2 else 0 for i in range(switches)]
+
+
+def switch_summary(seconds: list[float]) -> dict[str, float | int | None]:
+    """Count, median and p99 (ms) of the timed switches; None where none was timed."""
+    if not seconds:
+        return {"switches": 0, "median_ms": None, "p99_ms": None}
+    return {"switches": len(seconds), "median_ms": 1000 * statistics.median(seconds),
+            "p99_ms": 1000 * percentile(seconds, 99)}
+
+
+async def switch_cost(engine: Engine, pool: TierPool, switches: int
+                      ) -> dict[str, float | int | None]:
     """Time tier switches while eight requests are decoding."""
     load = asyncio.create_task(run_batch(engine, list(HIGH), 256))
     await asyncio.sleep(0.5)
     seconds = []
-    for i in range(switches):
-        change = await pool.switch(TIERS[1 + i % (len(TIERS) - 1)] if i % 2 else 0)
+    for k in switch_targets(switches):
+        change = await pool.switch(k)
         if change is not None:
             seconds.append(change.seconds)
         await asyncio.sleep(0.005)
     await load
-    return {"switches": len(seconds), "median_ms": 1000 * statistics.median(seconds),
-            "p99_ms": 1000 * percentile(seconds, 99)}
+    return switch_summary(seconds)
 
 
 async def bench(args: argparse.Namespace) -> dict:
@@ -207,8 +222,8 @@ def markdown(results: dict) -> str:
     lines += ["", "### TIER SWITCH COST (under load)", "",
               "| drafter | tier switches timed | median ms | p99 ms |", "|---|---|---|---|"]
     for drafter, cost in results["switch_cost"].items():
-        lines.append(f"| {drafter} | {cost['switches']} | {cost['median_ms']:.2f} | "
-                     f"{cost['p99_ms']:.2f} |")
+        lines.append(f"| {drafter} | {cost['switches']} | {number(cost['median_ms'])} | "
+                     f"{number(cost['p99_ms'])} |")
     return "\n".join(lines) + "\n"
 
 

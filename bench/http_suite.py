@@ -28,6 +28,7 @@ import psutil
 import yaml
 
 from bench.foreign_cpu import ForeignCpu, ForeignCpuReport
+from bench.load import is_loopback
 from bench.transition_report import report
 
 RESULTS = Path("bench/results")
@@ -146,7 +147,7 @@ def ray_clusters_running() -> str:
 def serving(config: Path, url: str, startup_timeout_s: float) -> Iterator[dict[str, str]]:
     """`serve run config` until the block ends (loopback only); yields the environment the
     benchmark clients should run with."""
-    if not url.startswith(("http://127.0.0.1", "http://localhost")):
+    if not is_loopback(url):
         raise SystemExit("the benchmark starts its own app: use a loopback URL")
     if running := ray_clusters_running():
         # `serve run` would join it, and a teardown that needs `ray stop --force` ends it.
@@ -179,18 +180,18 @@ def main() -> None:
         for workload in args.workloads.split(","):
             stem = result_stem(workload, args.name)
             with ForeignCpu() as foreign:
-                subprocess.run(transition_command(args.url, workload, stem, args.rounds),
-                               env=env, check=True)
+                subprocess.run(transition_command(args.url, workload, stem, args.rounds,
+                                                  args.config), env=env, check=True)
             record_foreign_cpu(stem, foreign.report())
 
 
-def transition_command(url: str, workload: str, stem: Path, rounds: int = ROUNDS
-                       ) -> list[str]:
-    """The `bench.transition` run of one workload with the issue's settings, results at
-    `stem`."""
+def transition_command(url: str, workload: str, stem: Path, rounds: int = ROUNDS,
+                       config: Path = Path("serve_config.yaml")) -> list[str]:
+    """The `bench.transition` run of one workload with the issue's settings on the app
+    started from `config`, results at `stem`."""
     return [sys.executable, "-m", "bench.transition", "--url", url, "--workload", workload,
             *WORKLOADS[workload], "--rounds", str(rounds),
-            "--warmup", "8", "--max-tokens", "256",
+            "--warmup", "8", "--max-tokens", "256", "--app-config", str(config),
             "--modes", MODES, "--aa-control", AA_CONTROL,
             "--json", str(stem.with_suffix(".json")), "--plot", str(stem.with_suffix(".png")),
             "--markdown", str(stem.with_suffix(".md"))]

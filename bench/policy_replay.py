@@ -6,9 +6,12 @@
 The simulator engine (a cost model and synthetic acceptance, not a model) runs each mode over
 the same workload: the transition phases low_1, high_1, low_2, high_2 (each `--requests`
 requests at `--concurrency`, `--max-tokens` tokens each), or the concurrency sweep
-1 -> 16 -> 64 -> 1. The real control loop, tier pool and policies decide; time is the sum of
-simulated step times, so a run takes seconds. Prints SGLang-benchmark-style tables with an
-"oracle" row (best static per phase) and saves a plot of K over time per policy.
+1 -> 16 -> 64 -> 1 with one request class a phase (low, high, low, high): not the HTTP
+benchmark's sweep, which mixes both classes in every phase, so here the class changes with
+the concurrency (the tables' titles say so). The real control loop, tier pool and policies
+decide; time is the sum of simulated step times, so a run takes seconds. Prints
+SGLang-benchmark-style tables with an "oracle" row (best static per phase) and saves a plot
+of K over time per policy.
 
 `--class-priors` adds what a replica of the app has and the plain replay does not: the request
 classes' past acceptance (`policies.class_acceptance`, folded every telemetry period), which
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import compare_to_statics, print_table, verdict
+from bench.workloads import sweep_shape
 from policies.class_acceptance import ClassAcceptance, ClassPrior, class_counts
 from policies.registry import build_policy
 from policies.signals import REQUEST_WINDOW, RequestAcceptance, RequestWindows, Signals
@@ -46,9 +50,15 @@ PUBLISHED_H20 = {"static1": (1093.0, 931.3, 1076.1, 1034.3, 1454.2),
                  "static15": (1301.3, 906.9, 865.7, 1578.8, 5458.2)}
 # Its mean acceptance lengths (we read them as the mean over the four phases).
 PUBLISHED_H20_ACCEPT_LEN = {"static1": 1.73, "static3": 2.88, "static7": 4.46, "static15": 6.36}
-STATIC = ("static1", "static3", "static7", "static15")
+# Every candidate tier as a static mode, K=0 too: the adaptive modes run it (the cpu-demo
+# presets' low phases), so the best static and the per-phase oracle must offer it.
+STATIC = tuple(f"static{k}" for k in CANDIDATES)
 ADAPTIVE = ("batch_table", "ema", "goodput", "stability")
-# How often a replica of the app folds its requests' outcomes into its class statistics.
+# The replay's sweep runs one class a phase: concurrency and class change together.
+SWEEP_CLASSES = ("low", "high", "low", "high")
+# How often a replica of the app folds its requests' outcomes into its class statistics and
+# exchanges them with the hub (the app's `telemetry_period_s` default); the cluster
+# simulation's too.
 TELEMETRY_PERIOD_S = 0.5
 
 
@@ -67,11 +77,14 @@ class Phase:
 
 
 def phases_for(workload: str, requests: int, concurrency: int) -> list[Phase]:
+    """The transition's phases as the HTTP benchmark's; the sweep's concurrencies and sizes
+    as its too, but each phase one class (low, high, low, high: `SWEEP_CLASSES`) where the
+    HTTP sweep mixes both in every phase."""
     if workload == "transition":
         return [Phase(name, name, concurrency, requests)
                 for name in ("low_1", "high_1", "low_2", "high_2")]
-    return [Phase(f"c{c}" + ("_end" if i == 3 else ""), "high" if i % 2 else "low", c,
-                  max(requests, 2 * c)) for i, c in enumerate((1, 16, 64, 1))]
+    return [Phase(name, request_class, c, n) for (name, c, n), request_class
+            in zip(sweep_shape(requests), SWEEP_CLASSES, strict=True)]
 
 
 def policy_config(mode: str, preset: str) -> dict[str, Any]:
@@ -196,15 +209,24 @@ def summarise(results: dict[str, ModeResult], phase_names: list[str]) -> dict[st
     return modes
 
 
-def report(modes: dict[str, Any], phase_names: list[str], decision_us: dict[str, float],
+def one_class_note(phases: list[Phase]) -> str:
+    """The phases' classes for a table title, where the names do not give them (the
+    sweep's)."""
+    if all(p.name == p.request_class for p in phases):
+        return ""
+    return "; one class a phase: " + ", ".join(f"{p.name} {p.request_class}" for p in phases)
+
+
+def report(modes: dict[str, Any], phases: list[Phase], decision_us: dict[str, float],
            compare_published: bool = False) -> str:
+    phase_names, note = [p.name for p in phases], one_class_note(phases)
     statics = {m: modes[m]["throughput"] for m in STATIC if m in modes}
     best_static = max(statics, key=statics.get)
     rows = [[m, f"{r['throughput']:.1f}",
              "-" if r["accept_len"] is None else f"{r['accept_len']:.2f}",
              "-" if r["switches"] is None else r["switches"],
              *(f"{r['phases'][n]:.1f}" for n in phase_names)] for m, r in modes.items()]
-    parts = [print_table("OVERALL AND PER PHASE (tok/s, simulated time)",
+    parts = [print_table(f"OVERALL AND PER PHASE (tok/s, simulated time{note})",
                          ["mode", "tok/s", "accept len", "switches", *phase_names], rows)]
     comparisons = compare_to_statics({m: r["throughput"] for m, r in modes.items()
                                       if m != "oracle"})
@@ -216,7 +238,7 @@ def report(modes: dict[str, Any], phase_names: list[str], decision_us: dict[str,
                            *(f"{modes[mode]['phases'][n] / modes['oracle']['phases'][n]:.3f}"
                              for n in phase_names), f"{decision_us[mode]:.1f}"])
     parts.append(print_table(
-        f"RATIOS (vs best static = {best_static}; per phase vs oracle)",
+        f"RATIOS (vs best static = {best_static}; per phase vs oracle{note})",
         ["mode", "vs best static", *(f"{n} / oracle" for n in phase_names),
          "decide() median us"], ratio_rows))
     if compare_published and phase_names == ["low_1", "high_1", "low_2", "high_2"]:
@@ -280,7 +302,7 @@ def main() -> None:
                for mode in (*STATIC, *ADAPTIVE)}
     modes = summarise(results, names)
     decision_us = {mode: decision_time_us(args.preset, mode) for mode in ADAPTIVE}
-    text = report(modes, names, decision_us, args.preset == "h20-llama8b-ngram")
+    text = report(modes, phases, decision_us, args.preset == "h20-llama8b-ngram")
     print(f"SIMULATOR preset {args.preset}, workload {args.workload}"
           f"{', class priors' if args.class_priors else ''}\n\n{text}")
     stem = Path("bench/results") / (f"policy_replay_{args.preset}_{args.workload}"

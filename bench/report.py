@@ -20,12 +20,30 @@ T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile by nearest rank (the value q% of them lie below), None when there
-    are none: the benchmarks' p99 latencies and gaps."""
+    """The q-th percentile by nearest rank (the smallest value with at least q% of them at or
+    below it), None when there are none: the benchmarks' p99 latencies and gaps."""
     if not values:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+    # Rank ceil(q% of n), 1-based; q * n first, so a whole rank is not pushed up by rounding.
+    rank = math.ceil(q * len(ordered) / 100)
+    return ordered[min(len(ordered), max(1, rank)) - 1]
+
+
+def quotient(value: float, base: float) -> float:
+    """`value / base`, nan where the base is 0 (a mode that made nothing, or none that met
+    the SLO), so one such mode cannot lose the others' results."""
+    return value / base if base else math.nan
+
+
+def ratio(value: float, base: float) -> str:
+    """`value / base` to three places; "n/a" where the base made nothing."""
+    return number(quotient(value, base), 3)
+
+
+def number(value: float | None, places: int = 2) -> str:
+    """`value` to `places` places; "n/a" for None (not measured) and nan (no base)."""
+    return "n/a" if value is None or math.isnan(value) else f"{value:.{places}f}"
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -62,8 +80,11 @@ def t_975(degrees_of_freedom: int) -> float:
         raise ValueError("an interval needs at least two samples")
     if degrees_of_freedom <= len(T_975):
         return T_975[degrees_of_freedom - 1]
-    # Cornish-Fisher's first two terms: 2.0395 at 31 (the true value 2.0395).
-    return 1.96 + 2.373 / degrees_of_freedom + 3.186 / degrees_of_freedom ** 2
+    # The Cornish-Fisher expansion of t about the normal's z = 1.959964, to 1/df^3: the
+    # coefficients (z^3 + z)/4, (5z^5 + 16z^3 + 3z)/96, (3z^7 + 19z^5 + 17z^3 - 15z)/384.
+    # 2.03951 at 31 (the true value 2.03951); within 2e-6 of it from there on.
+    df = degrees_of_freedom
+    return 1.959964 + 2.372271 / df + 2.822499 / df ** 2 + 2.555850 / df ** 3
 
 
 @dataclass(frozen=True)
@@ -71,24 +92,23 @@ class RatioInterval:
     """The geometric mean of paired ratios and its 95% confidence interval, a t interval on
     the ratios' logs. Logs, because a ratio of 0.8 and one of 1.25 are the same distance from
     parity. The pairs are rounds in the HTTP benchmarks (a mode over another in the same
-    round) and burst patterns in the cluster simulation; `rounds` counts them."""
+    round) and burst patterns in the cluster simulation."""
 
     mean: float
     low: float
     high: float
-    rounds: int
 
     @classmethod
     def of(cls, ratios: Sequence[float]) -> RatioInterval | None:
         """None for fewer than two ratios, or where a mode made nothing in some round (a
-        ratio of 0 has no log; the report's medians show that round)."""
-        if len(ratios) < 2 or min(ratios) <= 0:
+        ratio of 0 has no log, nor one of nan, from a base of 0; the report's medians show
+        that round)."""
+        if len(ratios) < 2 or not all(r > 0 for r in ratios):  # nan too
             return None
         logs = [math.log(r) for r in ratios]
         centre = statistics.fmean(logs)
         half = t_975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-        return cls(math.exp(centre), math.exp(centre - half), math.exp(centre + half),
-                   len(logs))
+        return cls(math.exp(centre), math.exp(centre - half), math.exp(centre + half))
 
     def against(self, bar: float) -> str:
         """Whether the rounds show the mean ratio above `bar`, below it, or neither."""

@@ -1,4 +1,4 @@
-"""Streamed requests with and without coalescing their chunks, side by side in one run.
+"""Streamed requests with and without coalescing their chunks: one app per interval, in turn.
 
     python -m bench.stream_interval                  # 0 and 50 ms, concurrency 8 and 64
     python -m bench.stream_interval --intervals 0,20,50 --concurrency 8,64 --rounds 3
@@ -12,7 +12,9 @@ sweep's prompts (greedy repetitive text, sampled free text), `stream: true`, 256
 Reported per interval and concurrency (medians over rounds): throughput, time to the first
 token, SSE events per request, the 99th percentile of the gap between a request's events,
 and the machine's CPU seconds per thousand tokens (from /proc/stat: every process, the
-client's parsing included). Ratios against the first interval follow.
+client's parsing included); and the failed requests, summed over rounds (an error status, an
+in-band error event, a stream cut before `[DONE]`), whose tokens, first token and gaps count
+in none of the others. Ratios against the first interval follow.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -35,18 +38,45 @@ import yaml
 from bench.foreign_cpu import ForeignCpu, ForeignCpuReport
 from bench.http_suite import serving
 from bench.report import percentile, print_table
-from bench.workloads import HIGH, LOW
+from bench.workloads import MIX
 
 RESULTS = Path("bench/results")
-MIX = tuple(p for pair in zip(HIGH, LOW, strict=True) for p in pair)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Streamed:
     tokens: int
     ttft_s: float
     events: int
     gaps_s: list[float] = field(default_factory=list)
+    failed: bool = False
+    """An error status, an error event, or no `[DONE]`: the rest is not counted."""
+
+
+FAILED = Streamed(0, 0.0, 0, failed=True)
+
+
+def read_stream(started: float, lines: list[tuple[float, str]]) -> Streamed:
+    """A streamed completion from its SSE lines and when each arrived. A failure mid-stream
+    comes in-band (`data: {"error": ...}`, the status line having gone out as 200)."""
+    times: list[float] = []
+    tokens, done = 0, False
+    for at, line in lines:
+        if line == "data: [DONE]":
+            done = True
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line.removeprefix("data: "))
+        if "error" in event:
+            return FAILED
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        if event.get("choices") and event["choices"][0]["text"]:
+            times.append(at)
+    if not done:
+        return FAILED
+    return Streamed(tokens, times[0] - started if times else 0.0, len(times),
+                    [b - a for a, b in itertools.pairwise(times)])
 
 
 async def stream_one(http: httpx.AsyncClient, model: str, index: int, max_tokens: int
@@ -56,20 +86,14 @@ async def stream_one(http: httpx.AsyncClient, model: str, index: int, max_tokens
             "temperature": prompt.temperature, "seed": index, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
-    times: list[float] = []
-    tokens = 0
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line.removeprefix("data: "))
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if event.get("choices") and event["choices"][0]["text"]:
-                times.append(time.perf_counter())
-    return Streamed(tokens, times[0] - started if times else 0.0, len(times),
-                    [b - a for a, b in itertools.pairwise(times)])
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return FAILED
+            lines = [(time.perf_counter(), line) async for line in response.aiter_lines()]
+    except httpx.TransportError:  # the connection failed or was cut: one failed request
+        return FAILED
+    return read_stream(started, lines)
 
 
 def cpu_seconds() -> float:
@@ -79,9 +103,11 @@ def cpu_seconds() -> float:
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_load(url: str, concurrency: int, requests: int, max_tokens: int
-                   ) -> dict[str, float]:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+async def run_load(url: str, concurrency: int, requests: int, max_tokens: int,
+                   transport: httpx.AsyncBaseTransport | None = None
+                   ) -> dict[str, float | None]:
+    """One round; `transport` stands in for the network in tests."""
+    async with httpx.AsyncClient(base_url=url, timeout=600, transport=transport) as http:
         model = (await http.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
         pending = iter(range(requests))
         results: list[Streamed] = []
@@ -93,16 +119,35 @@ async def run_load(url: str, concurrency: int, requests: int, max_tokens: int
         cpu, started = cpu_seconds(), time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         seconds, cpu = time.perf_counter() - started, cpu_seconds() - cpu
-    tokens = sum(r.tokens for r in results)
-    gaps = [g for r in results for g in r.gaps_s]
+    return summarise(results, seconds, cpu)
+
+
+def summarise(results: list[Streamed], seconds: float, cpu: float) -> dict[str, float | None]:
+    """A round's row: the statistics over the requests that completed (None where none did),
+    and how many failed."""
+    done = [r for r in results if not r.failed]
+    tokens = sum(r.tokens for r in done)
+    gaps = [g for r in done for g in r.gaps_s]
     return {"throughput": tokens / seconds,
-            "ttft_s": statistics.median(r.ttft_s for r in results),
-            "events_per_request": statistics.mean(r.events for r in results),
+            "ttft_s": statistics.median(r.ttft_s for r in done) if done else None,
+            "events_per_request": statistics.mean(r.events for r in done) if done else None,
             "gap_p99_ms": 1000 * percentile(gaps, 99) if gaps else 0.0,
-            "cpu_s_per_1k_tokens": 1000 * cpu / tokens if tokens else 0.0}
+            "cpu_s_per_1k_tokens": 1000 * cpu / tokens if tokens else 0.0,
+            "errors": len(results) - len(done)}
 
 
-def measure(args: argparse.Namespace, interval_ms: float) -> dict[int, dict[str, float]]:
+def combine_rounds(runs: list[dict[str, float | None]]) -> dict[str, float | None]:
+    """Medians over rounds (of the rounds that measured it; None if none did), errors
+    summed."""
+    combined: dict[str, float | None] = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs if r[key] is not None]
+        combined[key] = sum(values) if key == "errors" else \
+            statistics.median(values) if values else None
+    return combined
+
+
+def measure(args: argparse.Namespace, interval_ms: float) -> dict[int, dict[str, float | None]]:
     config = yaml.safe_load(args.config.read_text())
     config["applications"][0].setdefault("args", {})["stream_interval_ms"] = interval_ms
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=".", delete=False) as file:
@@ -110,36 +155,51 @@ def measure(args: argparse.Namespace, interval_ms: float) -> dict[int, dict[str,
     path = Path(file.name)
     try:
         with serving(path, args.url, args.startup_timeout):
-            asyncio.run(run_load(args.url, 8, args.warmup, args.max_tokens))
+            if args.warmup:  # none asked: a round of no requests has nothing to report
+                asyncio.run(run_load(args.url, 8, args.warmup, args.max_tokens))
             rounds = {c: [asyncio.run(run_load(args.url, c, max(args.requests, 2 * c),
                                                args.max_tokens))
                           for _ in range(args.rounds)] for c in args.concurrency}
     finally:
         path.unlink()
-    return {c: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-            for c, runs in rounds.items()}
+    return {c: combine_rounds(runs) for c, runs in rounds.items()}
 
 
 COLUMNS = (("throughput", "tok/s", "{:.0f}"), ("ttft_s", "TTFT p50 s", "{:.3f}"),
            ("events_per_request", "events / request", "{:.1f}"),
            ("gap_p99_ms", "gap p99 ms", "{:.0f}"),
            ("cpu_s_per_1k_tokens", "CPU s / 1k tokens", "{:.2f}"))
+# Failed requests, summed over rounds: in the table, not in the ratios.
+ERRORS = ("errors", "errors", "{:.0f}")
+
+
+def cell(row: dict[str, float | None], key: str, fmt: str) -> str:
+    """n/a where nothing was measured (no request completed), or for results recorded
+    before the column existed."""
+    value = row.get(key)
+    return "n/a" if value is None else fmt.format(value)
+
+
+def ratio_cell(row: dict[str, float | None], base: dict[str, float | None], key: str) -> str:
+    value, of = row.get(key), base.get(key)
+    return "-" if value is None or not of else f"{value / of:.2f}x"
 
 
 def report(results: dict[str, Any]) -> str:
     by_interval = results["intervals"]
     names = list(by_interval)
-    rows = [[f"{name} ms", c, *(fmt.format(by_interval[name][c][key])
-                                for key, _, fmt in COLUMNS)]
+    rows = [[f"{name} ms", c, *(cell(by_interval[name][c], key, fmt)
+                                for key, _, fmt in (*COLUMNS, ERRORS))]
             for name in names for c in by_interval[name]]
     tables = [print_table(f"STREAMED REQUESTS BY COALESCING INTERVAL (median of "
-                          f"{results['rounds']} rounds; {results['max_tokens']} tokens each)",
-                          ["interval", "concurrency", *(title for _, title, _ in COLUMNS)],
-                          rows)]
+                          f"{results['rounds']} rounds, errors summed; "
+                          f"{results['max_tokens']} tokens each)",
+                          ["interval", "concurrency",
+                           *(title for _, title, _ in (*COLUMNS, ERRORS))], rows)]
     base = names[0]
     ratios = [[f"{name} ms / {base} ms", c,
-               *(f"{by_interval[name][c][key] / by_interval[base][c][key]:.2f}x"
-                 if by_interval[base][c][key] else "-" for key, _, _ in COLUMNS)]
+               *(ratio_cell(by_interval[name][c], by_interval[base][c], key)
+                 for key, _, _ in COLUMNS)]
               for name in names[1:] for c in by_interval[name]]
     if ratios:
         tables.append(print_table("RATIOS", ["intervals", "concurrency",
@@ -168,8 +228,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
                               ("throughput (tok/s)", "machine CPU s per 1k tokens",
                                "time to first token, p50 (s)"), strict=True):
         for i, (name, rows) in enumerate(by_interval.items()):
-            ax.bar([j + i * width for j in range(len(concurrency))],
-                   [rows[c][key] for c in concurrency], width, label=f"{name} ms")
+            ax.bar([j + i * width for j in range(len(concurrency))],  # nan: no bar
+                   [math.nan if rows[c][key] is None else rows[c][key] for c in concurrency],
+                   width, label=f"{name} ms")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(concurrency))],
                       [f"concurrency {c}" for c in concurrency])
         ax.set_title(title)

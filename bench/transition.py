@@ -48,7 +48,7 @@ import httpx
 
 from bench.report import is_static, percentile
 from bench.transition_report import combine, plot, report
-from bench.workloads import HIGH, LOW, Prompt
+from bench.workloads import HIGH, LOW, MIX, Prompt, interleaved, sweep_shape
 from policies.registry import parse_policy_config
 
 ADMIN_POLL_S = 0.5
@@ -68,9 +68,8 @@ def transition_phases(requests: int, concurrency: int) -> list[Phase]:
 
 
 def sweep_phases(requests: int) -> list[Phase]:
-    mix = tuple(p for pair in zip(HIGH, LOW, strict=True) for p in pair)
-    return [Phase(f"c{c}" + ("_end" if i == 3 else ""), mix, c, max(requests, 2 * c))
-            for i, c in enumerate((1, 16, 64, 1))]
+    """Every phase the mix of both kinds of text (the simulator replay's sweep differs)."""
+    return [Phase(name, MIX, c, n) for name, c, n in sweep_shape(requests)]
 
 
 def select_phases(phases: list[Phase], names: list[str]) -> list[Phase]:
@@ -218,8 +217,7 @@ async def track_tiers(client: Client, stop: asyncio.Event, origin: float,
 async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
                    origin: float, policy: dict[str, Any]) -> dict[str, Any]:
     await client.set_policy(policy)
-    warm = Phase("warmup", tuple(p for pair in zip(LOW, HIGH, strict=True) for p in pair),
-                 phases[0].concurrency, warmup)
+    warm = Phase("warmup", interleaved(LOW, HIGH), phases[0].concurrency, warmup)
     await run_phase(client, warm, seed_base=10_000)
     switches_before = sum(r["switch_count"] for r in await client.replicas())
     timeline: list[dict[str, Any]] = []
@@ -305,8 +303,15 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     combined = {mode: combine(runs[:finished]) for mode, runs in rounds.items()}
     results = {"workload": args.workload, "url": args.url, "max_tokens": args.max_tokens,
                "rounds": finished, "phases": [p.name for p in phases],
+               # The load and what it ran on, so runs of another shape are not pooled.
+               "requests": [p.requests for p in phases],
+               "concurrency": [p.concurrency for p in phases], "warmup": args.warmup,
+               "model": client.model, "replicas": len(found),
+               "candidates": found[0]["candidates"],
                "policies": policies,  # what each mode ran, so a run can be repeated
                "modes": {mode: combined[mode] for mode in args.modes}}
+    if args.app_config:
+        results["app_config"] = args.app_config
     if stopped_by:
         results["stopped_early"] = {"rounds_asked": args.rounds, "error": stopped_by}
     if args.aa_control:  # kept apart: no table but its own may count it as a mode
@@ -388,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "reported apart as the run's noise (an A/A test)")
     parser.add_argument("--phases", type=lambda s: s.split(","), default=None,
                         help="run only these of the workload's phases (default: all)")
+    parser.add_argument("--app-config", default=None,
+                        help="the config the app was started from, recorded in the results "
+                             "(the app does not say; runs of different ones are not pooled)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None)

@@ -18,9 +18,15 @@ from bench.report import (
     compare_to_statics,
     interval_verdict,
     is_static,
+    number,
     print_table,
+    ratio,
     verdict,
 )
+
+# What `bench.transition` records of a run's load and deployment (absent from older runs).
+RUN_SHAPE = ("requests", "concurrency", "warmup", "model", "replicas", "candidates",
+             "app_config")
 
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -112,16 +118,6 @@ def versus_statics_table(modes: dict[str, Any], comparisons: list[tuple[str, str
         "interval] of the adaptive mode over the static in the same round, which sets the "
         "verdict where there are rounds)",
         ["adaptive", "static", "delta", "round by round", "verdict"], rows)
-
-
-def ratio(value: float, base: float) -> str:
-    """`value / base` to three places; "n/a" where the base made nothing (every request of
-    a static mode failed, say), so one failed mode cannot lose the others' report."""
-    return f"{value / base:.3f}" if base else "n/a"
-
-
-def number(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
 
 
 def acceptance_contrast(modes: dict[str, Any], phase_names: list[str]) -> str | None:
@@ -300,13 +296,18 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Several runs' results (`--json` files) as one run of all their rounds: more rounds
     narrow the intervals that one run leaves unresolved. Each round keeps its pairing (its
     modes ran back to back); the tier timelines are not pooled. Runs of different workloads,
-    phases, token budgets or policy configs are refused. The modes are those every run has
+    phases, token budgets, loads (requests and concurrency per phase, warm-up), models,
+    deployments (replicas, tiers, the app's config) or policy configs are refused; runs
+    recorded before a field existed are not compared on it. The modes are those every run has
     (the others are named under "pooled"), and the A/A control only if every run had it.
     The interval then treats every round alike, though rounds of one app start may share a
     level: the report names each run's own ratio beside it (see `main`)."""
     first = runs[0]
     for key in ("workload", "phases", "max_tokens"):
         if any(run.get(key) != first.get(key) for run in runs):
+            raise ValueError(f"the runs differ in {key}: not one benchmark")
+    for key in RUN_SHAPE:
+        if len({json.dumps(run[key]) for run in runs if key in run}) > 1:
             raise ValueError(f"the runs differ in {key}: not one benchmark")
     names = [m for m in first["modes"] if all(m in run["modes"] for run in runs)]
     for mode in names:

@@ -7,6 +7,7 @@ open free-form code and are sampled at temperature 0.8, so drafts rarely match.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -46,6 +47,27 @@ LOW_TEXTS = (
 
 HIGH = tuple(Prompt(text, temperature=0.0, request_class="high") for text in HIGH_TEXTS)
 LOW = tuple(Prompt(text, temperature=0.8, request_class="low") for text in LOW_TEXTS)
+
+
+
+def interleaved(first: Sequence[Prompt], second: Sequence[Prompt]) -> tuple[Prompt, ...]:
+    """One of `first`, one of `second`, in turn: a mix of both kinds of text."""
+    return tuple(p for pair in zip(first, second, strict=True) for p in pair)
+
+
+# The HTTP benchmarks' mix: repetitive and free text, one of each in turn.
+MIX = interleaved(HIGH, LOW)
+# The concurrency sweep: a phase per concurrency, of at least `requests` requests and twice
+# its concurrency (so every phase reaches it), the last named apart from the first.
+SWEEP_CONCURRENCY = (1, 16, 64, 1)
+
+
+def sweep_shape(requests: int) -> list[tuple[str, int, int]]:
+    """(name, concurrency, requests) of each sweep phase."""
+    last = len(SWEEP_CONCURRENCY) - 1
+    return [(f"c{c}" + ("_end" if i == last else ""), c, max(requests, 2 * c))
+            for i, c in enumerate(SWEEP_CONCURRENCY)]
+
 
 # Greedy prompts for identity tests: one copy task, and free openings decoded greedily.
 COPY_PROMPT = HIGH_TEXTS[0]

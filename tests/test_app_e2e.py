@@ -384,7 +384,7 @@ def test_a_benchmark_run_leaves_the_app_on_the_policy_it_found(app_url, kind):
     args = argparse.Namespace(
         url=app_url, model=None, max_tokens=8, api_key=None, workload="sweep", requests=2,
         concurrency=1, phases=["c1"], modes=["goodput", "static3"], defined={},
-        aa_control=None, rounds=1, warmup=1)
+        aa_control=None, rounds=1, warmup=1, app_config=None)
     results = asyncio.run(transition_bench(args))
     assert results["policies"]["goodput"] == before[0]
     assert results["modes"]["static3"]["errors"] == 0

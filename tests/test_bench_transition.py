@@ -16,8 +16,16 @@ import httpx
 import psutil
 import pytest
 
-from bench.http_suite import end_leftovers, result_name, result_stem, transition_command
-from bench.report import RatioInterval, percentile
+from bench.http_suite import (
+    end_leftovers,
+    result_name,
+    result_stem,
+    serving,
+    transition_command,
+)
+from bench.load import is_loopback, run_load
+from bench.policy_replay import phases_for
+from bench.report import RatioInterval, percentile, t_975
 from bench.transition import (
     again,
     bench,
@@ -32,6 +40,7 @@ from bench.transition import (
     with_aa_copy,
 )
 from bench.transition_report import (
+    RUN_SHAPE,
     combine,
     paired_ratios,
     plot,
@@ -39,6 +48,7 @@ from bench.transition_report import (
     report,
     typical_round,
 )
+from bench.workloads import HIGH, LOW, MIX, interleaved
 
 
 def _round(throughput: float, low: float, errors: int, switches: int) -> dict:
@@ -186,6 +196,36 @@ def test_a_subset_of_phases_runs_in_the_workloads_order() -> None:
         select_phases(phases, ["c32"])
 
 
+def test_the_http_sweep_mixes_both_kinds_of_text_and_the_replay_sweep_has_its_shape() -> None:
+    """One sweep shape for both benchmarks; the HTTP phases alternate repetitive and free
+    text, the replay's hold one class each (its tables say so)."""
+    http = sweep_phases(16)
+    assert [(p.name, p.concurrency, p.requests) for p in http] == \
+        [("c1", 1, 16), ("c16", 16, 32), ("c64", 64, 128), ("c1_end", 1, 16)]
+    assert all(p.prompts == MIX for p in http)
+    assert [p.request_class for p in MIX[:4]] == ["high", "low", "high", "low"]
+    assert len(MIX) == len(HIGH) + len(LOW)
+    replay = phases_for("sweep", requests=16, concurrency=8)
+    assert [(p.name, p.concurrency, p.requests) for p in replay] == \
+        [(p.name, p.concurrency, p.requests) for p in http]
+    assert [p.request_class for p in replay] == ["low", "high", "low", "high"]
+    assert interleaved(LOW, HIGH)[:2] == (LOW[0], HIGH[0])
+
+
+@pytest.mark.parametrize(("url", "loopback"), [
+    ("http://127.0.0.1:8000", True), ("http://localhost:8000/v1", True),
+    ("http://127.0.0.1", True), ("http://localhost.example.com:8000", False),
+    ("http://127.0.0.1.example.com", False), ("https://127.0.0.1:8000", False),
+    ("http://10.0.0.1:8000", False)])
+def test_the_benchmarks_load_only_this_machine(url: str, loopback: bool) -> None:
+    assert is_loopback(url) is loopback
+    if not loopback:
+        with pytest.raises(ValueError, match="loopback"):
+            asyncio.run(run_load(url, requests=1, concurrency=1, time_limit_s=1))
+        with pytest.raises(SystemExit, match="loopback"), serving(Path("x.yaml"), url, 1):
+            pass
+
+
 def test_the_suite_ends_processes_the_app_left_running() -> None:
     """A process that ignores SIGTERM (as an engine core stuck in a step would) is killed;
     one that already exited is not reported."""
@@ -225,6 +265,10 @@ def test_the_suite_runs_each_workload_with_the_issues_settings_and_a_rounds_over
         assert (parsed.rounds, parsed.workload, parsed.requests) == (expected, "sweep", 16)
         assert parsed.json == stem.with_suffix(".json")
         assert parsed.aa_control == "goodput" and "static0" in parsed.modes
+        assert parsed.app_config == "serve_config.yaml"
+    command = transition_command("http://127.0.0.1:8000", "sweep", stem, 4,
+                                 Path("configs/cpu-draft-model.yaml"))
+    assert build_parser().parse_args(command[3:]).app_config == "configs/cpu-draft-model.yaml"
 
 
 def test_the_aa_copy_runs_half_a_round_from_its_twin_in_every_round() -> None:
@@ -280,9 +324,14 @@ def test_the_summary_gives_each_modes_tail_latency_and_older_runs_read_without_i
 
 
 def test_percentiles_are_taken_by_nearest_rank() -> None:
+    """The value at rank ceil(q% of n): of 100 values the p99 is the 99th, not the maximum."""
     latencies = [float(i) for i in range(1, 101)]  # 1 .. 100
-    assert percentile(latencies, 99) == 100.0 and percentile(latencies, 50) == 51.0
-    assert percentile(list(reversed(latencies)), 99) == 100.0
+    assert percentile(latencies, 99) == 99.0 and percentile(latencies, 50) == 50.0
+    assert percentile(list(reversed(latencies)), 99) == 99.0
+    assert percentile(latencies, 99.5) == 100.0 and percentile(latencies, 100) == 100.0
+    assert percentile(latencies, 0) == 1.0
+    assert percentile(range(100), 99) == 98 and percentile([1, 2, 3, 4], 50) == 2
+    assert percentile([1, 2, 3], 50) == 2
     assert percentile([2.5], 99) == 2.5 and percentile([], 99) is None
 
 
@@ -292,8 +341,12 @@ def test_a_round_records_every_requests_latency_by_phase(monkeypatch) -> None:
     args = argparse.Namespace(url="http://127.0.0.1:1", model="m", max_tokens=10, api_key=None,
                               workload="transition", requests=3, concurrency=2, warmup=1,
                               phases=None, modes=["static1"], defined={}, aa_control=None,
-                              rounds=1)
+                              rounds=1, app_config="configs/x.yaml")
     results = asyncio.run(bench(args))
+    # The load and the deployment, for `pool` to compare.
+    assert {key: results[key] for key in RUN_SHAPE} == {
+        "requests": [3] * 4, "concurrency": [2] * 4, "warmup": 1, "model": "m", "replicas": 1,
+        "candidates": [0, 1, 3], "app_config": "configs/x.yaml"}
     run = results["modes"]["static1"]["rounds"][0]
     assert {phase: len(latencies) for phase, latencies in run["phase_latencies_s"].items()} \
         == dict.fromkeys(["low_1", "high_1", "low_2", "high_2"], 3)
@@ -315,6 +368,8 @@ class FlakyApp:
     change: every request completes at once with 10 tokens."""
 
     fail_on_change = 0
+
+    model = "m"
 
     def __init__(self, *_: object) -> None:
         self.changes = 0
@@ -342,7 +397,7 @@ def test_a_run_the_app_fails_partway_keeps_the_rounds_every_mode_finished(monkey
     args = argparse.Namespace(url="http://127.0.0.1:1", model="m", max_tokens=10, api_key=None,
                               workload="transition", requests=2, concurrency=1, warmup=1,
                               phases=None, modes=["static1", "static3", "goodput"],
-                              defined={}, aa_control=None, rounds=4)
+                              defined={}, aa_control=None, rounds=4, app_config=None)
     results = asyncio.run(bench(args))
     assert results["rounds"] == 2 and "the app went away" in \
         results["stopped_early"]["error"]
@@ -363,6 +418,17 @@ def test_a_ratio_interval_is_a_t_interval_on_the_logs_of_the_rounds_ratios() -> 
     assert RatioInterval.of([0.8, 0.82, 0.79]).against(0.9) == "below"
     assert RatioInterval.of([1.1]) is None, "one round has no spread to judge by"
     assert RatioInterval.of([1.1, 0.0]) is None, "a round where a mode made nothing has no log"
+
+
+@pytest.mark.parametrize(("degrees_of_freedom", "exact", "tolerance"), [
+    # Exact two-sided 95% quantiles (from the regularised incomplete beta function): the
+    # table's, rounded to three places, then the expansion's past it.
+    (1, 12.706205, 1e-3), (5, 2.570582, 1e-3), (10, 2.228139, 1e-3), (30, 2.042272, 1e-3),
+    (31, 2.039513, 1e-4), (33, 2.034515, 1e-4), (40, 2.021075, 1e-4), (60, 2.000298, 1e-4),
+    (100, 1.983972, 1e-4), (1000, 1.962339, 1e-4)])
+def test_t_quantiles_match_the_exact_values(degrees_of_freedom: int, exact: float,
+                                            tolerance: float) -> None:
+    assert t_975(degrees_of_freedom) == pytest.approx(exact, abs=tolerance)
 
 
 def test_verdicts_against_statics_come_from_the_rounds_not_the_medians() -> None:
@@ -437,3 +503,21 @@ def test_runs_pool_into_one_run_of_all_their_rounds() -> None:
     with pytest.raises(ValueError, match="policy configs"):
         pool([first, {**second, "policies": {"goodput": {"name": "goodput",
                                                          "switch_margin": 0.15}}}])
+
+
+@pytest.mark.parametrize(("key", "value", "other"), [
+    ("requests", [16] * 4, [32] * 4), ("concurrency", [8] * 4, [4] * 4), ("warmup", 8, 0),
+    ("model", "target", "other"), ("replicas", 2, 1), ("candidates", [0, 1, 3], [0, 1]),
+    ("app_config", "serve_config.yaml", "configs/cpu-draft-model.yaml")])
+def test_runs_of_another_load_or_deployment_are_not_pooled(key: str, value: object,
+                                                           other: object) -> None:
+    """Runs that record different loads or deployments are refused; a run recorded before
+    the field existed pools with either (the committed pooled runs predate them all)."""
+    def run(**recorded: object) -> dict:
+        return {"workload": "transition", "max_tokens": 256, "phases": ["low_1", "high_1"],
+                "rounds": 1, "policies": {},
+                "modes": {"static1": combine([_round(400, 200, 0, 0)])}, **recorded}
+
+    with pytest.raises(ValueError, match=f"differ in {key}"):
+        pool([run(**{key: value}), run(**{key: other})])
+    assert pool([run(**{key: value}), run(**{key: value}), run()])["rounds"] == 3

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -12,6 +14,7 @@ import pytest
 
 from app.telemetry_hub import ClusterState
 from bench.cluster.fleet import (
+    MODES,
     PRESET,
     WARMUP_S,
     OracleK,
@@ -24,9 +27,10 @@ from bench.cluster.fleet import (
     tuned_batch_table,
 )
 from bench.cluster.load import Arrival, LoadShape, workload
-from bench.cluster.report import gathering_bound
+from bench.cluster.report import gathering_bound, report, verdicts
 from bench.cluster.runs import CAPACITY_RESOLUTION, Run, run_one, slo_capacity
 from bench.policy_replay import CANDIDATES
+from bench.report import RatioInterval
 from policies.batch_table import BatchTablePolicy
 from policies.class_acceptance import class_counts
 from policies.registry import build_policy
@@ -307,3 +311,32 @@ def test_vllms_batch_table_is_tuned_to_the_runs_class_mix_as_an_operator_would()
     assert config["num_speculative_tokens_per_batch_size"] == rows
     assert config["concurrency_source"] == "local"
     assert isinstance(build_policy(config, CANDIDATES), BatchTablePolicy)
+
+
+def test_a_slo_no_mode_meets_gives_no_ratios_rather_than_no_results():
+    """Under a strict `--slo-tpot` every mode can have 0 goodput: the verdicts and the report
+    give n/a where the base is 0 (they divided by it and raised before the JSON was written)."""
+    summary = {"goodput": 0.0, "slo_attainment": 0.0, "tpot_missed": 1.0, "throughput": 900.0,
+               "p50_s": 1.0, "p99_s": 2.0, "switches_per_replica_hour": 10.0,
+               "steady_switches_per_replica_hour": 5.0, "gathered": 0.5, "requests": 10,
+               "wall_s": 0.1}
+    modes = {mode: dict(summary) for mode in MODES}
+    found = verdicts(modes)
+    assert all(math.isnan(found[key]) for key in
+               ("cluster_vs_best_local", "cluster_vs_best_static", "oracle_vs_best_local"))
+    run = {"arrivals": 10, "duration_s": 10.0, "offered_tok_s_per_replica": 100.0,
+           "token_shares": {"copy": 0.5, "code": 0.3, "chat": 0.2}, "modes": modes,
+           "verdicts": found, "seed_verdicts": [found, found],
+           "margins": {"0.3": dict(summary)},
+           "tpot_bound": {m: dict(summary) for m in MODES if m.startswith("goodput")}}
+    text = report({8: json.loads(json.dumps(run))})  # through JSON, as written
+
+    def cells(table: str) -> list[str]:
+        row = next(line for line in text.split(table)[1].splitlines()
+                   if line.startswith("| 8 |"))
+        return [cell.strip() for cell in row.strip("|").split("|")]
+
+    assert cells("CLUSTER-AWARE VS LOCAL-ONLY").count("n/a") == 3
+    assert cells("ACROSS BURST PATTERNS").count("n/a") == 4
+    assert "| 8 | 0.3 | n/a | 1.000 |" in text
+    assert RatioInterval.of([1.1, math.nan]) is None

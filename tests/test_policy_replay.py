@@ -10,14 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.cluster import fleet
 from bench.policy_replay import (
     ADAPTIVE,
+    CANDIDATES,
     PUBLISHED_H20,
     STATIC,
+    TELEMETRY_PERIOD_S,
     ModeResult,
     PhaseResult,
     phases_for,
     replay,
+    report,
     summarise,
 )
 from replicas.engines.base import GenerationRequest
@@ -58,6 +62,25 @@ def test_goodput_beats_the_best_static_and_tracks_the_oracle_per_phase(modes: di
     assert modes["goodput"]["switches"] <= 2 * len(PHASES)
 
 
+def test_the_statics_are_every_candidate_tier_in_the_replay_and_the_fleet() -> None:
+    assert [int(m.removeprefix("static")) for m in STATIC] == list(CANDIDATES)
+    assert fleet.STATIC == STATIC and fleet.TELEMETRY_PERIOD_S == TELEMETRY_PERIOD_S
+
+
+def test_the_oracle_offers_k0_where_the_adaptive_modes_run_it() -> None:
+    """On cpu-demo the low phases run best at K=0, where `goodput` goes: the best static of
+    each phase includes static0, so `goodput` there is about the oracle, not above it (1.10x
+    to 1.11x when the statics began at K=1)."""
+    phases = phases_for("transition", requests=16, concurrency=8)
+    results = {mode: asyncio.run(replay(mode, "cpu-demo", phases, max_tokens=256))
+               for mode in ("static0", "static1", "goodput")}
+    modes = summarise(results, PHASES)
+    for name in ("low_1", "low_2"):
+        assert modes["oracle"]["phases"][name] == modes["static0"]["phases"][name]
+        assert 0.95 < modes["goodput"]["phases"][name] / modes["oracle"]["phases"][name] \
+            <= 1.01, name
+
+
 def test_acceptance_mixture_matches_its_expected_run_length() -> None:
     acceptance, k = Acceptance(0.5, copy_share=0.25, copy_rate=0.999), 7
     runs = AcceptanceTable([acceptance]).draw(np.random.default_rng(0), k,
@@ -79,6 +102,22 @@ def test_the_oracle_weighs_each_phase_by_its_tokens() -> None:
                        "static3": mode((100, 2.0), (900, 1.0))}, ["a", "b"])
     assert modes["oracle"]["phases"] == {"a": 100.0, "b": 900.0}
     assert modes["oracle"]["throughput"] == pytest.approx(1000 / 2.0)
+
+
+def test_the_sweep_tables_say_each_phase_holds_one_class() -> None:
+    """The replay's sweep is not the HTTP one (which mixes both classes in every phase): its
+    tables' titles name each phase's class; the transition's names already do."""
+    def tables(workload: str) -> str:
+        phases = phases_for(workload, requests=16, concurrency=8)
+        result = ModeResult(phases={p.name: PhaseResult(100, 1.0, 50) for p in phases})
+        modes = summarise({"static1": result, "goodput": result}, [p.name for p in phases])
+        return report(modes, phases, {"goodput": 1.0})
+
+    note = "one class a phase: c1 low, c16 high, c64 low, c1_end high)"
+    sweep = tables("sweep")
+    assert f"### OVERALL AND PER PHASE (tok/s, simulated time; {note}" in sweep
+    assert f"### RATIOS (vs best static = static1; per phase vs oracle; {note}" in sweep
+    assert "one class a phase" not in tables("transition")
 
 
 def test_a_run_cut_at_max_run_never_lands_deeper() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from app.router import RecentByClass, ReplicaLoad, pick_warm, rank_replicas, sample_candidates
 from app.telemetry_hub import ClusterState
 from bench.cluster.load import CLASSES, Arrival, token_shares
-from bench.policy_replay import CANDIDATES
+from bench.policy_replay import CANDIDATES, STATIC, TELEMETRY_PERIOD_S
 from bench.policy_replay import policy_config as replay_policy_config
 from bench.report import percentile
 from policies.class_acceptance import ClassAcceptance, ClassPrior, class_counts
@@ -28,12 +28,10 @@ from replicas.engines.sim_presets import PRESETS, SimPreset
 from replicas.tier_pool import TierPool
 
 PRESET = "h20-llama8b-ngram"
-STATIC = ("static1", "static3", "static7", "static15")
 LOCAL = ("batch_table", "ema", "goodput_local")
 CLUSTER = ("goodput_cluster", "goodput_routed")
 ORACLE = "oracle_k"
 MODES = (*STATIC, *LOCAL, *CLUSTER, ORACLE)
-TELEMETRY_PERIOD_S = 0.5  # as the replica deployment's hub exchange
 MAX_BATCH = 64  # each simulated engine's `max_num_seqs`
 # Switches before this are start-up moves (every mode starts on one tier; `ema`'s slots
 # leave their warm-up batches and first updates within it), not the steady rate.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 from bench.cluster.fleet import CLUSTER, LOCAL, MODES, ORACLE, PRESET, STATIC, mixed_tokens_per_s
 from bench.cluster.runs import CAPACITY_RESOLUTION
 from bench.policy_replay import CANDIDATES
-from bench.report import RatioInterval, print_table
+from bench.report import RatioInterval, number, print_table, quotient, ratio
 from policies.goodput import GoodputConfig
 from replicas.engines.sim_presets import PRESETS, SimPreset
 
@@ -18,15 +19,17 @@ def verdicts(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     best_static = max(STATIC, key=lambda m: modes[m]["goodput"])
     best_local = max(LOCAL, key=lambda m: modes[m]["goodput"])
     best_cluster = max(CLUSTER, key=lambda m: modes[m]["goodput"])
+    # nan where the base met the SLO with nothing (a strict --slo-tpot): no ratio to give
     return {"best_static": best_static, "best_local": best_local, "best_cluster": best_cluster,
-            "cluster_vs_best_local": modes[best_cluster]["goodput"] /
-            modes[best_local]["goodput"],
-            "cluster_vs_best_static": modes[best_cluster]["goodput"] /
-            modes[best_static]["goodput"],
+            "cluster_vs_best_local": quotient(modes[best_cluster]["goodput"],
+                                              modes[best_local]["goodput"]),
+            "cluster_vs_best_static": quotient(modes[best_cluster]["goodput"],
+                                               modes[best_static]["goodput"]),
             "ema_switches_vs_cluster": switch_ratio(modes["ema"], modes[best_cluster]),
             "ema_steady_switches_vs_cluster": switch_ratio(modes["ema"], modes[best_cluster],
                                                            "steady_"),
-            "oracle_vs_best_local": modes[ORACLE]["goodput"] / modes[best_local]["goodput"]}
+            "oracle_vs_best_local": quotient(modes[ORACLE]["goodput"],
+                                             modes[best_local]["goodput"])}
 
 
 def switch_ratio(ema: dict[str, Any], other: dict[str, Any], window: str = "") -> float:
@@ -73,10 +76,10 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
     def verdict_cells(modes: dict[str, dict[str, Any]], v: dict[str, Any]) -> list[str]:
         return [*(f"{v[key]} ({modes[v[key]]['slo_attainment']:.1%} SLO)"
                   for key in ("best_static", "best_local", "best_cluster")),
-                f"{v['cluster_vs_best_local']:.3f}", f"{v['cluster_vs_best_static']:.3f}",
+                number(v["cluster_vs_best_local"], 3), number(v["cluster_vs_best_static"], 3),
                 f"{v['ema_switches_vs_cluster']:.1f}x",
                 f"{v['ema_steady_switches_vs_cluster']:.1f}x",
-                f"{v['oracle_vs_best_local']:.3f}"]
+                number(v["oracle_vs_best_local"], 3)]
 
     parts.append(print_table(
         "CLUSTER-AWARE VS LOCAL-ONLY (goodput ratios)", ["replicas", *verdict_columns],
@@ -92,6 +95,8 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
               for n, r in [*runs.items(), *longer.items()] if "seed_verdicts" in r]
     if spread:
         def summary(values: list[float]) -> str:
+            if any(math.isnan(v) for v in values):  # a seed had no ratio to give
+                return "n/a"
             return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
         def mean_interval(values: list[float]) -> str:
@@ -117,8 +122,8 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
         for n, run in margins.items():
             base, ema = run["modes"]["goodput_routed"], run["modes"]["ema"]
             for margin, r in {f"{default} (default)": base, **run["margins"]}.items():
-                rows.append([n, margin, f"{r['goodput'] / base['goodput']:.3f}",
-                             f"{r['throughput'] / base['throughput']:.3f}",
+                rows.append([n, margin, ratio(r["goodput"], base["goodput"]),
+                             ratio(r["throughput"], base["throughput"]),
                              f"{r['slo_attainment']:.1%}",
                              f"{r['switches_per_replica_hour']:.0f}",
                              f"{r['steady_switches_per_replica_hour']:.0f}",
@@ -136,15 +141,15 @@ def report(runs: dict[int, dict[str, Any]]) -> str:
             best_local = run["verdicts"]["best_local"]
             for mode, r in run["tpot_bound"].items():
                 base = run["modes"][mode]
-                rows.append([n, mode, f"{r['goodput'] / base['goodput']:.3f}",
-                             f"{r['throughput'] / base['throughput']:.3f}",
+                rows.append([n, mode, ratio(r["goodput"], base["goodput"]),
+                             ratio(r["throughput"], base["throughput"]),
                              f"{base['slo_attainment']:.1%} -> {r['slo_attainment']:.1%}",
                              f"{base['tpot_missed']:.1%} -> {r['tpot_missed']:.1%}",
                              f"{base['switches_per_replica_hour']:.0f} -> "
                              f"{r['switches_per_replica_hour']:.0f}",
                              f"{base['steady_switches_per_replica_hour']:.0f} -> "
                              f"{r['steady_switches_per_replica_hour']:.0f}",
-                             f"{r['goodput'] / run['modes'][best_local]['goodput']:.3f}"])
+                             ratio(r["goodput"], run["modes"][best_local]["goodput"])])
         parts.append(print_table(
             "WITH THE SLO'S BOUND ON TIME PER TOKEN (`tpot_slo_ms`; first seed; vs the same "
             "mode without)",
@@ -170,10 +175,6 @@ def capacity_table(replicas: int, capacity: dict[str, Any]) -> str:
     modes = capacity["modes"]
     best_static = max(modes[m]["rate_per_replica"] for m in STATIC)
     best_local = max(modes[m]["rate_per_replica"] for m in LOCAL)
-
-    def ratio(rate: float, best: float) -> str:
-        return f"{rate / best:.3f}" if best else "-"
-
     rows = [[m, f"{r['rate_per_replica']:.2f}", f"{r['offered_tok_s_per_replica']:.0f}",
              f"{r['slo_attainment']:.1%}", ratio(r["rate_per_replica"], best_local),
              ratio(r["rate_per_replica"], best_static), r["simulations"]]
