@@ -2,6 +2,8 @@
 runs real vLLM; its timing is not checked here)."""
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from bench.engine_bench import (
     TIERS,
@@ -28,20 +30,33 @@ class RecordingPool(TierPool):
         return await super().switch(k)
 
 
-def test_engine_bench_warms_every_tier_then_interleaves_them_in_alternating_order():
+T = TypeVar("T")
+
+
+def on_simulator(initial_k: int, body: Callable[[SimulatedEngine, RecordingPool], Awaitable[T]]
+                 ) -> tuple[T, list[int]]:
+    """`body` run on a started simulator engine and its recording pool: its result, and the
+    tiers the pool was asked for."""
     async def run():
         engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=max(TIERS), time_scale=0.0)
         await engine.start()
-        pool = RecordingPool(engine, TIERS, initial_k=0)
+        pool = RecordingPool(engine, TIERS, initial_k=initial_k)
         await pool.apply_initial()
         try:
-            rows, _ = await measure(engine, pool, "ngram", rounds=3, max_tokens=16,
-                                    concurrencies=(1, 2))
+            return await body(engine, pool), pool.asked
         finally:
             await engine.shutdown()
-        return rows, pool.asked
 
-    rows, asked = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_engine_bench_warms_every_tier_then_interleaves_them_in_alternating_order():
+    async def body(engine: SimulatedEngine, pool: RecordingPool):
+        rows, _ = await measure(engine, pool, "ngram", rounds=3, max_tokens=16,
+                                concurrencies=(1, 2))
+        return rows
+
+    rows, asked = on_simulator(0, body)
     forward, backward = list(TIERS), list(reversed(TIERS))
     # Per workload and batch: a warm-up pass, then rounds taking the tiers forward, backward,
     # forward, so no tier is always measured first.
@@ -63,17 +78,7 @@ def test_the_switch_cost_goes_from_k0_to_every_drafting_tier_in_turn():
 
 
 def _switch_cost(switches: int):
-    async def run():
-        engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=max(TIERS), time_scale=0.0)
-        await engine.start()
-        pool = RecordingPool(engine, TIERS, initial_k=3)
-        await pool.apply_initial()
-        try:
-            return await switch_cost(engine, pool, switches), pool.asked
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(run())
+    return on_simulator(3, lambda engine, pool: switch_cost(engine, pool, switches))
 
 
 def test_the_switch_cost_times_the_switches_it_makes():
