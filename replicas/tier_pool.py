@@ -98,5 +98,9 @@ class TierPool:
                 target = self.active_k
             else:  # the nearest candidate not above the old K, else the smallest
                 target = snap_down(self.active_k, candidates)
-            self.candidates = candidates
-            return await self._switch(target)
+            previous, self.candidates = self.candidates, candidates
+            try:
+                return await self._switch(target)
+            except BaseException:  # the engine refused the tier: the pool stays as it was
+                self.candidates = previous
+                raise

@@ -665,6 +665,23 @@ def test_a_bad_candidate_change_leaves_the_pool_as_it_was(candidates, initial_k)
     assert (pool.candidates, pool.active_k, change.from_k) == ((0, 2, 5), 5, 7)
 
 
+def test_a_tier_the_engine_refuses_leaves_the_pool_as_it_was():
+    """SGLang refuses a tier it did not prepare at start-up: the new candidates must not stay
+    with the old tier active outside them."""
+    class Refusing(SimulatedEngine):
+        async def set_k(self, k: int) -> None:
+            if k == 5:
+                raise RuntimeError("K=5 is not a prepared tier")
+            await super().set_k(k)
+
+    engine = Refusing(PRESETS["cpu-demo"], kmax=15)
+    pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=7)
+    asyncio.run(pool.apply_initial())
+    with pytest.raises(RuntimeError):
+        asyncio.run(pool.set_candidates((0, 2, 5)))
+    assert (pool.candidates, pool.active_k, engine.k) == ((0, 1, 3, 7, 15), 7, 7)
+
+
 @pytest.mark.parametrize("policy", ["goodput", None, {"name": "nope"}])
 def test_a_replica_given_a_bad_policy_with_new_candidates_changes_neither(policy):
     """The candidates come first in a change, but a policy that cannot be built must not

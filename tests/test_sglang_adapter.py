@@ -1,7 +1,35 @@
 """The SGLang adapter's engine-independent part (SGLang itself needs a GPU: not run here)."""
 
+from types import SimpleNamespace
+
+import pytest
+
 from replicas.engines.base import MAX_STEP_GAP_S, SETTLE_STEPS, GenerationRequest, StepTimer
 from replicas.engines.sglang_engine import sampling_params, step_from_verify
+from replicas.engines.sglang_hooks import STEP_SOCKET_ENV, ExternalTierPolicy, _scheduler_set_k
+
+
+def scheduler(tp_rank: int) -> SimpleNamespace:
+    """What the K setter reads of SGLang's `Scheduler` (started with --speculative-adaptive)."""
+    controller = SimpleNamespace(params=None, candidate_steps=[1, 3, 7])
+    return SimpleNamespace(tp_rank=tp_rank, draft_worker=SimpleNamespace(
+        adaptive_controller=controller, speculative_num_steps=7))
+
+
+def test_the_k_setter_takes_the_rpc_parameters_as_sglang_passes_them(monkeypatch):
+    """SGLang's scheduler calls an RPC method with one dict of the call's keyword arguments
+    (`collective_rpc("specserve_set_k", k=3)` -> `method({"k": 3})`), on every rank; only
+    rank 0 publishes the verify records, or each step would count once per rank."""
+    monkeypatch.setenv(STEP_SOCKET_ENV, "tcp://127.0.0.1:9")  # connecting needs no listener
+    first, other = scheduler(tp_rank=0), scheduler(tp_rank=1)
+    for rank in (first, other):
+        _scheduler_set_k(rank, {"k": 3})
+        policy = rank.draft_worker.adaptive_controller.params
+        assert isinstance(policy, ExternalTierPolicy) and policy.get_steps_for_batch(8) == 3
+    assert first.draft_worker.adaptive_controller.params._publisher._socket is not None
+    assert other.draft_worker.adaptive_controller.params._publisher._socket is None
+    with pytest.raises(ValueError, match="not a prepared SGLang tier"):
+        _scheduler_set_k(first, {"k": 5})
 
 
 def test_every_sampling_control_reaches_sglang_under_its_name():
@@ -47,3 +75,27 @@ def test_idle_gaps_and_the_steps_after_a_switch_are_not_timed():
     assert wall(MAX_STEP_GAP_S + 1) == 0.0
     timer.control_call()
     assert [wall(0.02) for _ in range(SETTLE_STEPS + 1)] == [0.0] * SETTLE_STEPS + [0.02]
+
+
+def test_a_request_refused_on_admission_is_the_requests_fault_and_a_later_error_is_not():
+    """SGLang (and vLLM) check a streamed request when its stream is first read: an error
+    there is `EngineInputError` (a 400), one after the first chunk stays the engine's."""
+    import asyncio
+
+    from replicas.engines.base import EngineInputError, admitted
+
+    async def stream(fail_at: int):
+        for n in range(3):
+            if n == fail_at:
+                raise ValueError("the prompt and max_new_tokens exceed the context")
+            yield n
+
+    async def read(fail_at: int) -> list[int]:
+        return [n async for n in admitted(stream(fail_at), (ValueError,))]
+
+    with pytest.raises(EngineInputError, match="exceed the context"):
+        asyncio.run(read(0))
+    with pytest.raises(ValueError) as later:
+        asyncio.run(read(2))
+    assert type(later.value) is ValueError
+    assert asyncio.run(read(-1)) == [0, 1, 2]

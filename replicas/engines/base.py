@@ -6,7 +6,7 @@ import operator
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from policies.class_acceptance import DEFAULT_CLASS
 from policies.signals import RequestWindows
@@ -17,6 +17,26 @@ class EngineInputError(ValueError):
 
     Raised before anything is generated; the HTTP layer turns it into a 400.
     """
+
+
+T = TypeVar("T")
+
+
+async def admitted(stream: AsyncIterator[T], rejections: tuple[type[Exception], ...]
+                   ) -> AsyncIterator[T]:
+    """`stream`, with an error of a `rejections` type before its first item raised as
+    `EngineInputError`. vLLM and SGLang check a request as they admit it, which happens when
+    their output stream is first read: failing there, the request itself is at fault; failing
+    later, the engine is."""
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        return
+    except rejections as error:
+        raise EngineInputError(str(error)) from error
+    yield first
+    async for item in stream:
+        yield item
 
 
 # Sampling controls beyond temperature and top-p, by the names vLLM's `SamplingParams` (and

@@ -27,6 +27,7 @@ from replicas.engines.base import (
     GenerationRequest,
     StepRecord,
     StepTimer,
+    admitted,
 )
 from replicas.engines.sglang_hooks import SET_K_RPC, STEP_SOCKET_ENV
 from replicas.engines.spec import EngineSpec
@@ -135,7 +136,9 @@ class SglangEngine:
         except ValueError as error:
             raise EngineInputError(str(error)) from error
         text_so_far, ids_so_far = "", 0
-        async for output in stream:
+        # A streamed request is checked (its length against the context, ...) when its stream
+        # is first read, not by the call that returned it.
+        async for output in admitted(stream, (ValueError,)):
             meta = output["meta_info"]
             ids = output.get("output_ids") or []
             text = output["text"]

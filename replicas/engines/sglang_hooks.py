@@ -88,15 +88,20 @@ class _StepPublisher:
             self._socket.send(json.dumps(record).encode(), flags=zmq.NOBLOCK)
 
 
-def _scheduler_set_k(self: Any, k: int) -> None:
+def _scheduler_set_k(self: Any, parameters: dict[str, Any]) -> None:
+    """`Scheduler.specserve_set_k`: SGLang's scheduler calls an RPC method with the call's
+    keyword arguments as one dict (`collective_rpc(SET_K_RPC, k=3)` -> {"k": 3}), on every
+    tensor-parallel rank."""
     controller = getattr(self.draft_worker, "adaptive_controller", None)
     if controller is None:
         raise RuntimeError("SGLang was started without --speculative-adaptive")
     if not isinstance(controller.params, ExternalTierPolicy):
+        # Every rank verifies the same batch: one publishes it, or each step counts tp times.
+        address = os.environ.get(STEP_SOCKET_ENV) if getattr(self, "tp_rank", 0) == 0 else None
         controller.params = ExternalTierPolicy(
             controller.candidate_steps, self.draft_worker.speculative_num_steps,
-            _StepPublisher(os.environ.get(STEP_SOCKET_ENV)))
-    controller.params.request(k)
+            _StepPublisher(address))
+    controller.params.request(int(parameters["k"]))
 
 
 def register() -> None:

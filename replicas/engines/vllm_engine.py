@@ -34,6 +34,7 @@ from replicas.engines.base import (
     StepRecord,
     StepTimer,
     TokenLogprob,
+    admitted,
 )
 from replicas.engines.spec import LOCAL_ENGINE_ENV, REPO_ROOT, EngineSpec
 
@@ -376,20 +377,11 @@ class VllmEngine:
                 f"{len(prompt_ids)} and max_tokens asks for {request.max_tokens} more")
         prompt: Any = {"prompt_token_ids": prompt_ids}
         self._steps.windows[request.request_id] = deque(maxlen=REQUEST_WINDOW)
-        completion_tokens, first = 0, True
+        completion_tokens = 0
         try:
-            stream = self.llm.generate(prompt, params, request.request_id)
-            while True:
-                try:
-                    output = await anext(stream)
-                except StopAsyncIteration:
-                    return
-                except (ValueError, VLLMClientError) as error:
-                    if first:  # rejected on admission: the request itself is at fault
-                        raise EngineInputError(str(error)) from error
-                    raise
+            async for output in admitted(self.llm.generate(prompt, params, request.request_id),
+                                         (ValueError, VLLMClientError)):
                 completion = output.outputs[0]
-                first = False
                 completion_tokens += len(completion.token_ids)
                 yield GenerationChunk(
                     token_ids=tuple(completion.token_ids), text=completion.text,
