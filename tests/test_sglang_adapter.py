@@ -99,3 +99,18 @@ def test_a_request_refused_on_admission_is_the_requests_fault_and_a_later_error_
         asyncio.run(read(2))
     assert type(later.value) is ValueError
     assert asyncio.run(read(-1)) == [0, 1, 2]
+
+
+def test_a_verify_is_timed_from_its_rounds_start_not_from_the_verify_before(monkeypatch):
+    """Between two verifies SGLang may sit idle or run prefill batches: a step's time starts
+    when the controller asks for the round's steps (when it asks), else at the last verify."""
+    import replicas.engines.sglang_hooks as hooks
+
+    clock = iter([0.0, 5.0, 5.25, 6.0]).__next__
+    monkeypatch.setattr(hooks.time, "perf_counter", clock)
+    published: list[dict] = []
+    policy = ExternalTierPolicy([1, 3], 3, SimpleNamespace(publish=published.append))  # at 0
+    policy.get_steps_for_batch(4)  # at 5.0: the round starts after 5 s idle
+    policy.on_verify_complete([1, 2, 0, 3], 4)  # at 5.25
+    policy.on_verify_complete([1, 2, 0, 3], 4)  # at 6.0: no round start seen, from the verify
+    assert [record["wall_s"] for record in published] == [0.25, 0.75]

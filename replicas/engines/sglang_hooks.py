@@ -36,6 +36,7 @@ class ExternalTierPolicy:
         self._cuda_graph_bs: list[int] | None = None
         self._publisher = publisher
         self._last_verify = time.perf_counter()
+        self._round_started: float | None = None  # this decode round's steps were asked for
 
     @property
     def candidate_steps(self) -> list[int]:
@@ -48,6 +49,7 @@ class ExternalTierPolicy:
         return self._cuda_graph_bs
 
     def get_steps_for_batch(self, batch_size: int) -> int:
+        self._round_started = time.perf_counter()
         return self.k
 
     def request(self, k: int) -> None:
@@ -58,10 +60,14 @@ class ExternalTierPolicy:
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int
                            ) -> int | None:
         now = time.perf_counter()
+        # The round's own time when the controller asked for its steps since the last verify:
+        # the gap from that verify would also hold idle time and prefill batches.
+        started = self._last_verify if self._round_started is None else \
+            max(self._last_verify, self._round_started)
         self._publisher.publish({
             "running": batch_size, "k": self._announced,
-            "wall_s": now - self._last_verify, "accepted": list(num_correct_drafts_per_req)})
-        self._last_verify = now
+            "wall_s": now - started, "accepted": list(num_correct_drafts_per_req)})
+        self._last_verify, self._round_started = now, None
         if self.k != self._announced:
             self._announced = self.k
             return self.k
