@@ -443,8 +443,12 @@ class Ingress:
     async def _respond(self, request: Request, body: SamplingFields, payload: dict[str, Any],
                        chat: bool) -> Any:
         route = "/v1/chat/completions" if chat else "/v1/completions"
+        prompt = None
+        if tracing.records_prompts():  # a chat's messages as sent, a completion's prompt text
+            prompt = payload["prompt"] if "prompt" in payload else json.dumps(payload["messages"])
         span = tracing.start_ingress_span(f"POST {route}", request.headers,
-                                          request_id=payload["request_id"], model=body.model)
+                                          request_id=payload["request_id"], model=body.model,
+                                          prompt=prompt)
         payload["trace_context"] = tracing.inject_context(span)
         started = time.perf_counter()
         ttft: float | None = None  # until the first chunk

@@ -125,6 +125,11 @@ def extract_context(carrier: Mapping[str, str] | None) -> Context | None:
     return _PROPAGATOR.extract(found) if found else None
 
 
+def records_prompts() -> bool:
+    """Whether spans record prompt text (`gen_ai.prompt`): a caller builds the text only then."""
+    return _State.tracer is not None and _State.record_prompts
+
+
 def start_ingress_span(route: str, headers: Mapping[str, str] | None, *, request_id: str,
                        model: str | None = None, prompt: str | None = None) -> Span:
     """The HTTP request's span (kind SERVER), child of an incoming `traceparent` if any."""

@@ -124,6 +124,30 @@ def test_a_replica_that_died_before_answering_gets_the_request_once_more(spans_f
     assert recorded.statuses == ["ok"] and spans_finished == [None]
 
 
+def test_the_prompt_is_on_the_ingress_span_only_when_prompts_are_recorded():
+    """`SPECSERVE_TRACE_PROMPTS=1` (here `record_prompts`): a completion's prompt and a chat's
+    messages go on the request's span as `gen_ai.prompt`; otherwise no span carries them."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    def prompts(record: bool) -> list[str | None]:
+        exporter = InMemorySpanExporter()
+        tracing.configure_tracing("test", exporter=exporter, record_prompts=record, force=True)
+        try:
+            front = bare_ingress(Engine([dict(CHUNK)], [dict(CHUNK)]), metrics=Recorded())
+            asyncio.run(front.completions(http_request({"model": "target", "prompt": "x y"})))
+            asyncio.run(front.chat_completions(http_request(
+                {"model": "target", "messages": [{"role": "user", "content": "hi"}]})))
+            tracing.force_flush_tracing()
+            return [span.attributes.get("gen_ai.prompt")
+                    for span in exporter.get_finished_spans()]
+        finally:
+            tracing.shutdown_tracing()
+
+    recorded = prompts(True)
+    assert recorded[0] == "x y" and json.loads(recorded[1])[0]["content"] == "hi"
+    assert prompts(False) == [None, None]
+
+
 def nested(depth: int, inner: str = "[]") -> str:
     return "[" * depth + inner + "]" * depth
 
