@@ -200,6 +200,22 @@ async def test_set_k_sets_drafted_tokens_per_step(ngram_engine, k):
         assert not any(step.drafted_per_pos[k:]), "nothing drafted beyond K"
 
 
+async def test_each_step_is_labelled_with_the_k_its_drafts_were_proposed_at(ngram_engine):
+    """K switched after every streamed chunk: a step verifies the drafts proposed before the
+    switch reached the engine core, so its label is the K it ran, not the one last set
+    (labelled so, a step after 7 -> 1 showed drafts at positions with no slots)."""
+    await ngram_engine.set_k(7)
+    await asyncio.sleep(0)
+    ngram_engine.drain_steps()
+    await generate_ids(ngram_engine, greedy(COPY_PROMPT, max_tokens=96), switch_to=(1, 7, 0, 3))
+    steps = [s for s in ngram_engine.drain_steps() if s.running]
+    assert {s.k for s in steps} >= {0, 1, 3, 7}
+    for step in steps:
+        assert not any(step.drafted_per_pos[step.k:]), f"drafts beyond K={step.k}"
+        assert all(drafted <= slots for drafted, slots in
+                   zip(step.drafted_per_pos, step.slots_per_pos, strict=False))
+
+
 @pytest.mark.parametrize("call", ["tier switch", "draft caps"])
 async def test_the_steps_after_a_control_call_are_not_timed(ngram_engine, call):
     """A control call (the engine core's utility call between two steps) lands in the wall

@@ -187,6 +187,9 @@ class _StepLog:
         self.draft_caps: dict[str, int] = {}
         # Which step wall times are kept (not idle gaps, not the steps after a control call).
         self.timer = StepTimer()
+        # The K the step being recorded ran (its drafts' proposing K, from its outcomes); None
+        # when no request decoded in it: then the K last set.
+        self._step_k: int | None = None
 
     def collect_outcomes(self) -> None:
         """Move the step's per-request verify outcomes (attached by `vllm_hooks`) into the
@@ -197,6 +200,7 @@ class _StepLog:
             if outcome is None:
                 continue
             state.spec_decode_metrics = None
+            self._step_k = outcome.num_spec_tokens
             window = self.windows.get(state.external_req_id)
             if window is not None:
                 window.extend(zip(outcome.per_step_accepted, outcome.per_step_drafted,
@@ -217,10 +221,11 @@ class _StepLog:
             accepted = spec_stats.num_accepted_tokens
             accepted_pos = _padded(spec_stats.num_accepted_tokens_per_pos, self.kmax)
             drafted_pos = _padded(spec_stats.num_draft_tokens_per_pos, self.kmax)
+        step_k, self._step_k = (self.k if self._step_k is None else self._step_k), None
         caps = [cap for request_id, cap in self.draft_caps.items()
-                if request_id in self.windows and cap < self.k]
-        capped_pos = tuple(min(running, sum(cap <= k for cap in caps)) for k in range(self.k))
-        step = StepRecord(running=running, waiting=waiting, k=self.k, wall_s=wall,
+                if request_id in self.windows and cap < step_k]
+        capped_pos = tuple(min(running, sum(cap <= k for cap in caps)) for k in range(step_k))
+        step = StepRecord(running=running, waiting=waiting, k=step_k, wall_s=wall,
                           drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
                           capped_per_pos=capped_pos,
                           accepted_per_pos=accepted_pos, drafted_per_pos=drafted_pos,

@@ -57,10 +57,14 @@ def exit_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def step_outcome(num_spec_tokens: int, accepted: int, drafted: int) -> RequestSpecDecodeMetrics:
-    """One request's verify outcome in one step, in vLLM's per-request metrics type."""
+def step_outcome(step_k: int, accepted: int, drafted: int) -> RequestSpecDecodeMetrics:
+    """One request's verify outcome in one step, in vLLM's per-request metrics type, whose
+    `num_spec_tokens` carries the K the step's drafts were proposed at: the front end labels
+    the step with it, since its own K changes when a switch returns, while steps proposed at
+    the old K may still be on their way (vLLM reads these metrics only on a finished request's
+    output, which carries its own)."""
     # No histogram: it would be kmax + 1 more integers per request per step on the wire.
-    return RequestSpecDecodeMetrics(num_spec_tokens=num_spec_tokens, num_draft_tokens=drafted,
+    return RequestSpecDecodeMetrics(num_spec_tokens=step_k, num_draft_tokens=drafted,
                                     per_step_accepted=[accepted], per_step_drafted=[drafted])
 
 
@@ -107,7 +111,7 @@ class _AdaptiveK:
                 if output.finish_reason is None and self._was_decoding(output):
                     accepted, drafted = self._step_outcomes.get(output.request_id, (0, 0))
                     depth = min(k, self._verified_caps.get(output.request_id, k))
-                    output.spec_decode_metrics = step_outcome(self.num_spec_tokens, accepted,
+                    output.spec_decode_metrics = step_outcome(k, accepted,
                                                               max(depth, drafted))
         self._proposing_k = scheduler_output.num_spec_tokens_to_schedule
         return outputs
