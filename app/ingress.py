@@ -44,6 +44,7 @@ from observability import tracing
 from observability.exposition import CONTENT_TYPE, render_prometheus
 from observability.metrics import RequestMetrics
 from policies.registry import parse_policy_config
+from replicas.chunks import STREAM_INTERVAL_KEY, stream_interval_s
 from replicas.engines.base import SAMPLING_CONTROLS
 from replicas.tier_pool import validate_candidates
 
@@ -543,13 +544,17 @@ class Ingress:
 
     @fastapi_app.post("/admin/policy")
     async def set_policy(self, request: Request) -> dict[str, Any]:
-        """Fleet-wide run-time change: {"policy": {...}, "candidates": [...]} on every replica."""
+        """Fleet-wide run-time change on every replica: {"policy": {...}, "candidates": [...],
+        "stream_interval_ms": ...}, any of them."""
         self._authorize(request)
         user_config = await self._json(request)
         try:
-            if not isinstance(user_config, dict) or not {"policy", "candidates"} & set(
-                    user_config):
-                raise ValueError('send {"policy": {...}} and/or {"candidates": [...]}')
+            if not isinstance(user_config, dict) or not {
+                    "policy", "candidates", STREAM_INTERVAL_KEY} & set(user_config):
+                raise ValueError('send {"policy": {...}}, {"candidates": [...]} and/or '
+                                 f'{{"{STREAM_INTERVAL_KEY}": ...}}')
+            if STREAM_INTERVAL_KEY in user_config:
+                stream_interval_s(user_config[STREAM_INTERVAL_KEY])
             if "policy" in user_config:
                 parse_policy_config(user_config["policy"])
             if "candidates" in user_config:  # as the replicas' pools will check them

@@ -138,9 +138,20 @@ class ClusterState:
         }
 
     def set_override(self, user_config: dict[str, Any] | None, at: float) -> None:
-        """Newest wins: every replica reports the same change, in any order."""
-        if at >= self._override_changed_at:
-            self.policy_override, self._override_changed_at = user_config, at
+        """Newest wins: every replica reports the same change, in any order (a late report of
+        an older one is dropped). Changes merge, so a replica started later applies the policy
+        of one and the tiers or stream interval of the next; new candidates drop an earlier
+        `initial_k`, which was for the old ones. None (a redeploy) forgets them all."""
+        if at < self._override_changed_at:
+            return
+        self._override_changed_at = at
+        if user_config is None:
+            self.policy_override = None
+            return
+        merged = dict(self.policy_override or {})
+        if "candidates" in user_config:
+            merged.pop("initial_k", None)
+        self.policy_override = {**merged, **user_config}
 
 
 @ray.remote(num_cpus=0)

@@ -1,13 +1,15 @@
-"""Streamed requests with and without coalescing their chunks: one app per interval, in turn.
+"""Streamed requests with and without coalescing their chunks, side by side in one app.
 
     python -m bench.stream_interval                  # 0 and 50 ms, concurrency 8 and 64
     python -m bench.stream_interval --intervals 0,20,50 --concurrency 8,64 --rounds 3
 
 A replica sends a streamed request's tokens to the ingress at most once per
-`stream_interval_ms` (the first at once; see `replicas.chunks`). The interval is fixed when
-the app starts, so this benchmark starts `serve run serve_config.yaml` once per interval (with
-only that argument changed) and streams the same requests at each concurrency: a mix of the
-sweep's prompts (greedy repetitive text, sampled free text), `stream: true`, 256 tokens each.
+`stream_interval_ms` (the first at once; see `replicas.chunks`). This benchmark starts
+`serve run serve_config.yaml` once and, in every round, sets each interval in turn through
+the admin route (a run-time change: no restart; the order alternates from round to round, so
+a drift of the machine falls on every interval alike), then streams the same requests at each
+concurrency: a mix of the sweep's prompts (greedy repetitive text, sampled free text),
+`stream: true`, 256 tokens each.
 
 Reported per interval and concurrency (medians over rounds): throughput, time to the first
 token, SSE events per request, the 99th percentile of the gap between a request's events,
@@ -26,19 +28,18 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from bench.foreign_cpu import ForeignCpu, ForeignCpuReport
 from bench.http_suite import serving
 from bench.report import percentile, print_table
 from bench.workloads import MIX
+from replicas.chunks import STREAM_INTERVAL_KEY
 
 RESULTS = Path("bench/results")
 
@@ -147,22 +148,34 @@ def combine_rounds(runs: list[dict[str, float | None]]) -> dict[str, float | Non
     return combined
 
 
-def measure(args: argparse.Namespace, interval_ms: float) -> dict[int, dict[str, float | None]]:
-    config = yaml.safe_load(args.config.read_text())
-    config["applications"][0].setdefault("args", {})["stream_interval_ms"] = interval_ms
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", dir=".", delete=False) as file:
-        yaml.safe_dump(config, file)  # next to the original: `serve run` imports from "."
-    path = Path(file.name)
-    try:
-        with serving(path, args.url, args.startup_timeout):
-            if args.warmup:  # none asked: a round of no requests has nothing to report
-                asyncio.run(run_load(args.url, 8, args.warmup, args.max_tokens))
-            rounds = {c: [asyncio.run(run_load(args.url, c, max(args.requests, 2 * c),
-                                               args.max_tokens))
-                          for _ in range(args.rounds)] for c in args.concurrency}
-    finally:
-        path.unlink()
-    return {c: combine_rounds(runs) for c, runs in rounds.items()}
+def set_interval(url: str, interval_ms: float,
+                 transport: httpx.BaseTransport | None = None) -> None:
+    """Every replica streams the requests that start from now on at `interval_ms`."""
+    with httpx.Client(base_url=url, timeout=60, transport=transport) as http:
+        http.post("/admin/policy", json={STREAM_INTERVAL_KEY: interval_ms}).raise_for_status()
+
+
+def interval_order(intervals: list[str], round_index: int) -> list[str]:
+    """The intervals in the order a round takes them: forward, then backward, and so on."""
+    return intervals if round_index % 2 == 0 else intervals[::-1]
+
+
+def measure(args: argparse.Namespace, intervals: list[str]
+            ) -> dict[str, dict[int, dict[str, float | None]]]:
+    """Per interval and concurrency, the rounds combined; one app for all of them."""
+    runs: dict[str, dict[int, list[dict[str, float | None]]]] = {
+        name: {c: [] for c in args.concurrency} for name in intervals}
+    with serving(args.config, args.url, args.startup_timeout):
+        if args.warmup:  # none asked: a round of no requests has nothing to report
+            asyncio.run(run_load(args.url, 8, args.warmup, args.max_tokens))
+        for round_index in range(args.rounds):
+            for name in interval_order(intervals, round_index):
+                set_interval(args.url, float(name))
+                for c in args.concurrency:
+                    runs[name][c].append(asyncio.run(run_load(
+                        args.url, c, max(args.requests, 2 * c), args.max_tokens)))
+    return {name: {c: combine_rounds(rounds) for c, rounds in by_c.items()}
+            for name, by_c in runs.items()}
 
 
 COLUMNS = (("throughput", "tok/s", "{:.0f}"), ("ttft_s", "TTFT p50 s", "{:.3f}"),
@@ -205,12 +218,12 @@ def report(results: dict[str, Any]) -> str:
         tables.append(print_table("RATIOS", ["intervals", "concurrency",
                                              *(title for _, title, _ in COLUMNS)], ratios))
     if foreign := results.get("foreign_cpu"):
-        machine = {name: ForeignCpuReport.from_dict(data) for name, data in foreign.items()}
+        m = ForeignCpuReport.from_dict(foreign)
         tables.append(print_table(
-            "OTHER PROCESSES (CPU taken by processes outside the benchmark while each "
-            "interval's app ran)", ["interval", "core-seconds", "share of one core", "shared"],
-            [[f"{name} ms", f"{m.core_seconds:.1f}", f"{m.share_of_a_core:.1%}",
-              "YES" if m.shared else "no"] for name, m in machine.items()]))
+            "OTHER PROCESSES (CPU taken by processes outside the benchmark while the app ran)",
+            ["core-seconds", "share of one core", "shared"],
+            [[f"{m.core_seconds:.1f}", f"{m.share_of_a_core:.1%}",
+              "YES" if m.shared else "no"]]))
     return "\n\n".join(tables)
 
 
@@ -256,13 +269,11 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=RESULTS / "stream_interval.png")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    # The CPU column is the whole machine's: another process's share would count in it.
+    with ForeignCpu() as foreign:
+        intervals = measure(args, args.intervals.split(","))
     results: dict[str, Any] = {"rounds": args.rounds, "max_tokens": args.max_tokens,
-                               "intervals": {}, "foreign_cpu": {}}
-    for name in args.intervals.split(","):
-        # The CPU column is the whole machine's: another process's share would count in it.
-        with ForeignCpu() as foreign:
-            results["intervals"][name] = measure(args, float(name))
-        results["foreign_cpu"][name] = foreign.report().as_dict()
+                               "intervals": intervals, "foreign_cpu": foreign.report().as_dict()}
     text = report(results)
     print(text)
     args.json.write_text(json.dumps(results, indent=1))

@@ -22,9 +22,21 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 Chunk = dict[str, Any]
+# The run-time change that sets a replica's stream interval (see `stream_interval_s`).
+STREAM_INTERVAL_KEY = "stream_interval_ms"
 _END = object()  # what the reader queues after the last chunk
 _TICK = object()  # the interval elapsed: send what arrived
 
+
+
+def stream_interval_s(interval_ms: Any) -> float:
+    """A stream interval given in milliseconds (a deployment's `stream_interval_ms`, or a
+    run-time change), in seconds; ValueError unless it is a number of at least 0."""
+    if isinstance(interval_ms, bool) or not isinstance(interval_ms, int | float) or \
+            not 0 <= interval_ms < math.inf:
+        raise ValueError(f"{STREAM_INTERVAL_KEY} must be a number of milliseconds >= 0, "
+                         f"got {interval_ms!r}")
+    return interval_ms / 1000
 
 def merge_chunks(chunks: list[Chunk]) -> Chunk:
     """One chunk that says what `chunks` (in order) said: texts, tokens and logprobs joined;

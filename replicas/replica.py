@@ -25,7 +25,7 @@ from observability.metrics import ReplicaMetrics
 from policies.class_acceptance import DEFAULT_CLASS, ClassAcceptance, ClassPrior, class_counts
 from policies.registry import build_policy, parse_policy_config
 from policies.signals import ClusterView, Decision
-from replicas.chunks import Chunk, coalesce
+from replicas.chunks import STREAM_INTERVAL_KEY, Chunk, coalesce, stream_interval_s
 from replicas.control_loop import ControlLoop, add_steps_per_position
 from replicas.engines.base import (
     SAMPLING_CONTROLS,
@@ -75,7 +75,7 @@ class EngineReplica:
         tracing.configure_tracing("specserve-replica")
         self.active_spans = tracing.ActiveSpans()
         self.telemetry_period_s = telemetry_period_s
-        self.stream_interval_s = stream_interval_ms / 1000
+        self.stream_interval_s = stream_interval_s(stream_interval_ms)
         self.ongoing = 0
         # Requests in the handler per (router id, request class): routers take the others'.
         self._ongoing_by_router: Counter[tuple[str | None, str]] = Counter()
@@ -311,7 +311,10 @@ class EngineReplica:
                 getattr(self._hub, method).remote(argument)
 
     async def _apply_config(self, user_config: dict[str, Any]) -> None:
+        interval_s = stream_interval_s(user_config[STREAM_INTERVAL_KEY]) \
+            if STREAM_INTERVAL_KEY in user_config else self.stream_interval_s
         if not {"policy", "candidates"} & set(user_config):
+            self.stream_interval_s = interval_s  # streams started before keep theirs
             return
         # Everything is checked, and the new policy built, before anything changes: a bad
         # policy or tier list leaves the pool and the policy as they were.
@@ -330,6 +333,7 @@ class EngineReplica:
                 self._note_switch(change, Decision(change.to_k, "candidate tiers changed"))
         self.loop.replace_policy(policy)
         self.policy_config = config.model_dump()
+        self.stream_interval_s = interval_s
         if config.name == "static":  # apply at once rather than at the next decision
             change = await self.pool.switch(self.loop.policy.k)
             if change is not None:

@@ -6,6 +6,7 @@ import asyncio
 import random
 import time
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 
@@ -559,6 +560,20 @@ def test_hub_keeps_the_newest_fleet_wide_change_whatever_the_arrival_order():
     assert hub.view("any")["policy_override"] is None
 
 
+def test_hub_merges_successive_fleet_wide_changes_for_replicas_started_later():
+    """A policy, then tiers, then a stream interval: a replica started after all three
+    applies all three (it applied only the last before)."""
+    hub = ClusterState()
+    for change in ({"policy": {"name": "static", "k": 3}, "issued_at": 1.0},
+                   {"candidates": [0, 3, 7], "initial_k": 7, "issued_at": 2.0},
+                   {"stream_interval_ms": 0, "issued_at": 3.0},
+                   {"candidates": [0, 1, 3], "issued_at": 4.0}):
+        hub.set_override(change, change["issued_at"])
+    assert hub.view("any")["policy_override"] == {
+        "policy": {"name": "static", "k": 3}, "candidates": [0, 1, 3],
+        "stream_interval_ms": 0, "issued_at": 4.0}  # the old tiers' initial_k dropped
+
+
 def test_class_counts_tally_each_class_per_position_from_request_windows():
     """As a replica reports its classes: per position, steps that drafted it and steps that
     landed it, pooled over the class's requests; a request without a class is "default"."""
@@ -682,10 +697,9 @@ def test_a_tier_the_engine_refuses_leaves_the_pool_as_it_was():
     assert (pool.candidates, pool.active_k, engine.k) == ((0, 1, 3, 7, 15), 7, 7)
 
 
-@pytest.mark.parametrize("policy", ["goodput", None, {"name": "nope"}])
-def test_a_replica_given_a_bad_policy_with_new_candidates_changes_neither(policy):
-    """The candidates come first in a change, but a policy that cannot be built must not
-    leave the replica on the new tiers under its old policy."""
+@pytest.fixture
+def bare_replica() -> Iterator[EngineReplica]:
+    """An engine replica on the simulator at static K=7, built without Serve."""
     class Replica(EngineReplica):
         def __del__(self) -> None:  # the real one shuts down a started replica's engine
             pass
@@ -700,17 +714,39 @@ def test_a_replica_given_a_bad_policy_with_new_candidates_changes_neither(policy
                                                                   replica.pool.candidates))
     replica.metrics = ReplicaMetrics("r", replica.pool.candidates)
     replica.active_spans = ActiveSpans()
-    policy_before = replica.loop.policy
+    replica.stream_interval_s = 0.05
     try:
-        with pytest.raises(ValueError):
-            asyncio.run(replica._apply_config({"policy": policy, "candidates": [0, 2, 5]}))
-        assert (replica.pool.candidates, replica.pool.active_k) == ((0, 1, 3, 7, 15), 7)
-        assert replica.loop.policy is policy_before
-        asyncio.run(replica._apply_config({"policy": {"name": "static", "k": 2},
-                                           "candidates": [0, 2, 5]}))
-        assert (replica.pool.candidates, replica.pool.active_k) == ((0, 2, 5), 2)
+        yield replica
     finally:
         replica.metrics.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["goodput", None, {"name": "nope"}])
+def test_a_replica_given_a_bad_policy_with_new_candidates_changes_neither(policy, bare_replica):
+    """The candidates come first in a change, but a policy that cannot be built must not
+    leave the replica on the new tiers under its old policy."""
+    replica = bare_replica
+    policy_before = replica.loop.policy
+    with pytest.raises(ValueError):
+        asyncio.run(replica._apply_config({"policy": policy, "candidates": [0, 2, 5],
+                                           "stream_interval_ms": 0}))
+    assert (replica.pool.candidates, replica.pool.active_k) == ((0, 1, 3, 7, 15), 7)
+    assert replica.loop.policy is policy_before and replica.stream_interval_s == 0.05
+    asyncio.run(replica._apply_config({"policy": {"name": "static", "k": 2},
+                                       "candidates": [0, 2, 5]}))
+    assert (replica.pool.candidates, replica.pool.active_k) == ((0, 2, 5), 2)
+
+
+@pytest.mark.parametrize("interval", ["fast", -1, True, float("inf")])
+def test_a_replica_changes_its_stream_interval_at_run_time(interval, bare_replica):
+    """`stream_interval_ms` alone changes the interval of the streams that start after it
+    (the streaming benchmark alternates intervals on one app); a bad value changes nothing."""
+    with pytest.raises(ValueError, match="stream_interval_ms"):
+        asyncio.run(bare_replica._apply_config({"stream_interval_ms": interval}))
+    assert bare_replica.stream_interval_s == 0.05
+    asyncio.run(bare_replica._apply_config({"stream_interval_ms": 0}))
+    assert bare_replica.stream_interval_s == 0
+    assert bare_replica.loop.policy.k == 7, "the policy stays"
 
 
 def test_switches_made_at_once_apply_one_after_the_other():

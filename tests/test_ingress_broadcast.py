@@ -52,3 +52,25 @@ def test_a_policy_that_is_not_a_policy_config_is_a_400_before_any_replica_change
         asyncio.run(front.set_policy(http_request({"policy": policy,
                                                    "candidates": [0, 1, 3]})))
     assert raised.value.status == 400 and "policy" in raised.value.message
+
+
+@pytest.mark.parametrize("interval", ["fast", -5, None])
+def test_a_stream_interval_that_is_not_a_duration_is_a_400_before_any_replica_changes(
+        interval):
+    front = bare_ingress(Replicas([AssertionError("no replica may be called")]))
+    with pytest.raises(APIError) as raised:
+        asyncio.run(front.set_policy(http_request({"stream_interval_ms": interval})))
+    assert raised.value.status == 400 and "stream_interval_ms" in raised.value.message
+
+
+def test_a_stream_interval_alone_reaches_every_replica():
+    sent: list[dict] = []
+
+    class Recording(Replicas):
+        def broadcast(self, method: str, *args):
+            sent.append({"method": method, **(args[0] if args else {})})
+            return super().broadcast(method, *args)
+
+    front = bare_ingress(Recording([None]))
+    asyncio.run(front.set_policy(http_request({"stream_interval_ms": 0})))
+    assert sent[0]["method"] == "reconfigure" and sent[0]["stream_interval_ms"] == 0

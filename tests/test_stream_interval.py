@@ -114,26 +114,46 @@ def test_rounds_combine_into_medians_and_summed_errors() -> None:
     assert stream_interval.combine_rounds(rounds) == {"ttft_s": pytest.approx(0.2), "errors": 3}
 
 
-def test_no_warm_up_asked_runs_none(monkeypatch, tmp_path: Path) -> None:
-    """`--warmup 0`: a warm-up round of no requests took a median of nothing and raised."""
-    calls: list[tuple[int, int]] = []
+def test_one_app_takes_the_intervals_in_alternating_order_and_warm_up_only_if_asked(
+        monkeypatch, tmp_path: Path) -> None:
+    """Every interval is set at run time on the same app, forward then backward, each
+    followed by its rounds at every concurrency; `--warmup 0` runs no warm-up (a round of no
+    requests took a median of nothing and raised)."""
+    calls: list[tuple] = []
 
     async def fake_load(url: str, concurrency: int, requests: int, max_tokens: int
                         ) -> dict[str, float | None]:
-        calls.append((concurrency, requests))
-        return {"throughput": 1.0, "errors": 0}
+        calls.append(("load", concurrency, requests))
+        return {"throughput": float(len(calls)), "errors": 0}
 
     monkeypatch.setattr(stream_interval, "run_load", fake_load)
+    monkeypatch.setattr(stream_interval, "set_interval",
+                        lambda url, ms: calls.append(("interval", ms)))
+    started: list[Path] = []
     monkeypatch.setattr(stream_interval, "serving",
-                        lambda *args: contextlib.nullcontext({}))
-    monkeypatch.chdir(tmp_path)
-    config = tmp_path / "serve_config.yaml"
-    config.write_text("applications:\n- name: app\n")
-    args = argparse.Namespace(config=config, url="http://127.0.0.1:1", startup_timeout=1,
-                              warmup=0, concurrency=[8], requests=16, rounds=2,
-                              max_tokens=8)
-    assert stream_interval.measure(args, 0.0) == {8: {"throughput": 1.0, "errors": 0}}
-    assert calls == [(8, 16), (8, 16)]
+                        lambda config, *args: started.append(config) or
+                        contextlib.nullcontext({}))
+    args = argparse.Namespace(config=tmp_path / "serve_config.yaml", url="http://127.0.0.1:1",
+                              startup_timeout=1, warmup=0, concurrency=[8, 64], requests=16,
+                              rounds=2, max_tokens=8)
+    results = stream_interval.measure(args, ["0", "50"])
+    assert len(started) == 1, "one app for every interval"
+    assert calls == [("interval", 0.0), ("load", 8, 16), ("load", 64, 128),
+                     ("interval", 50.0), ("load", 8, 16), ("load", 64, 128),
+                     ("interval", 50.0), ("load", 8, 16), ("load", 64, 128),
+                     ("interval", 0.0), ("load", 8, 16), ("load", 64, 128)]
+    assert results["0"][8]["throughput"] == 6.5  # median of the 2nd and 11th calls' rows
     calls.clear()
-    stream_interval.measure(argparse.Namespace(**{**vars(args), "warmup": 4}), 0.0)
-    assert calls[0] == (8, 4)
+    stream_interval.measure(argparse.Namespace(**{**vars(args), "warmup": 4}), ["0"])
+    assert calls[0] == ("load", 8, 4)
+
+
+def test_the_interval_is_set_through_the_admin_route() -> None:
+    posted: list[tuple[str, dict]] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        posted.append((request.url.path, json.loads(request.content)))
+        return httpx.Response(200, json={"replicas": []})
+
+    stream_interval.set_interval("http://127.0.0.1:1", 20.0, transport=httpx.MockTransport(handle))
+    assert posted == [("/admin/policy", {"stream_interval_ms": 20.0})]
