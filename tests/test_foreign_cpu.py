@@ -106,11 +106,12 @@ def test_the_suite_records_it_in_the_runs_json_and_report(tmp_path: Path) -> Non
     assert stem.with_suffix(".md").read_text().startswith("MACHINE: processes outside")
 
 
-def test_the_streaming_benchmark_reports_it_per_interval() -> None:
+def test_the_streaming_benchmark_reports_it_for_its_one_app() -> None:
+    """Every interval runs on one app, so one report covers them all."""
     row = {"throughput": 900.0, "ttft_s": 0.06, "events_per_request": 140.0, "gap_p99_ms": 30.0,
            "cpu_s_per_1k_tokens": 2.0}
     results = {"rounds": 3, "max_tokens": 256, "intervals": {"0": {8: row}, "50": {8: row}},
-               "foreign_cpu": {"0": ForeignCpuReport(0.5, 100.0).as_dict(),
-                               "50": ForeignCpuReport(30.0, 100.0, {"python": 30.0}).as_dict()}}
-    text = stream_report(results)
-    assert "| 0 ms | 0.5 | 0.5% | no |" in text and "| 50 ms | 30.0 | 30.0% | YES |" in text
+               "foreign_cpu": ForeignCpuReport(30.0, 100.0, {"python": 30.0}).as_dict()}
+    assert "| 30.0 | 30.0% | YES |" in stream_report(results)
+    results["foreign_cpu"] = ForeignCpuReport(0.5, 100.0).as_dict()
+    assert "| 0.5 | 0.5% | no |" in stream_report(results)
