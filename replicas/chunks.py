@@ -28,7 +28,6 @@ _END = object()  # what the reader queues after the last chunk
 _TICK = object()  # the interval elapsed: send what arrived
 
 
-
 def stream_interval_s(interval_ms: Any) -> float:
     """A stream interval given in milliseconds (a deployment's `stream_interval_ms`, or a
     run-time change), in seconds; ValueError unless it is a number of at least 0."""
@@ -37,6 +36,7 @@ def stream_interval_s(interval_ms: Any) -> float:
         raise ValueError(f"{STREAM_INTERVAL_KEY} must be a number of milliseconds >= 0, "
                          f"got {interval_ms!r}")
     return interval_ms / 1000
+
 
 def merge_chunks(chunks: list[Chunk]) -> Chunk:
     """One chunk that says what `chunks` (in order) said: texts, tokens and logprobs joined;

@@ -311,13 +311,17 @@ class EngineReplica:
                 getattr(self._hub, method).remote(argument)
 
     async def _apply_config(self, user_config: dict[str, Any]) -> None:
+        # Everything is checked, and a new policy built, before anything changes: a bad
+        # interval, policy or tier list leaves the replica as it was.
         interval_s = stream_interval_s(user_config[STREAM_INTERVAL_KEY]) \
             if STREAM_INTERVAL_KEY in user_config else self.stream_interval_s
-        if not {"policy", "candidates"} & set(user_config):
-            self.stream_interval_s = interval_s  # streams started before keep theirs
-            return
-        # Everything is checked, and the new policy built, before anything changes: a bad
-        # policy or tier list leaves the pool and the policy as they were.
+        if {"policy", "candidates"} & set(user_config):
+            await self._apply_policy_change(user_config)
+        self.stream_interval_s = interval_s  # streams started before keep theirs
+        logger.info("replica %s reconfigured: %s", self.replica_id, user_config)
+
+    async def _apply_policy_change(self, user_config: dict[str, Any]) -> None:
+        """New candidate tiers and/or a new policy, the policy rebuilt over the tiers."""
         candidates = validate_candidates(user_config["candidates"], self.engine.kmax,
                                          user_config.get("initial_k")) \
             if "candidates" in user_config else self.pool.candidates
@@ -333,12 +337,10 @@ class EngineReplica:
                 self._note_switch(change, Decision(change.to_k, "candidate tiers changed"))
         self.loop.replace_policy(policy)
         self.policy_config = config.model_dump()
-        self.stream_interval_s = interval_s
         if config.name == "static":  # apply at once rather than at the next decision
             change = await self.pool.switch(self.loop.policy.k)
             if change is not None:
                 self._note_switch(change, Decision(change.to_k, "reconfigured to static"))
-        logger.info("replica %s reconfigured: %s", self.replica_id, user_config)
 
     def _update_class_acceptance(self) -> None:
         """Per request class, decayed per-position acceptance from the recent verify

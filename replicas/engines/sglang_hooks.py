@@ -60,10 +60,10 @@ class ExternalTierPolicy:
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int
                            ) -> int | None:
         now = time.perf_counter()
-        # The round's own time when the controller asked for its steps since the last verify:
-        # the gap from that verify would also hold idle time and prefill batches.
-        started = self._last_verify if self._round_started is None else \
-            max(self._last_verify, self._round_started)
+        # The round's own time when the controller asked for its steps since the last verify
+        # (reset at each verify): the gap from that verify would also hold idle time and
+        # prefill batches.
+        started = self._last_verify if self._round_started is None else self._round_started
         self._publisher.publish({
             "running": batch_size, "k": self._announced,
             "wall_s": now - started, "accepted": list(num_correct_drafts_per_req)})
