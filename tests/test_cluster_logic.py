@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections import Counter
@@ -301,6 +302,53 @@ def test_a_simulator_step_that_fails_ends_every_reader_with_the_error():
     outcomes = asyncio.run(run())
     assert all(isinstance(error, RuntimeError) and "a broken step" in str(error)
                for error in outcomes), outcomes
+
+
+def test_a_simulator_stream_closed_while_queued_takes_its_request_out():
+    """A reader that leaves while its request still waits for a slot takes it out of the
+    queue: it never runs, and the request behind it takes the slot."""
+    async def run() -> tuple[int, int]:
+        engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, max_num_seqs=1, time_scale=0.0)
+        await engine.start()
+        first = engine.generate(GenerationRequest("first", prompt="a b", max_tokens=40))
+        await anext(first)  # "first" holds the only slot
+        queued = engine.generate(GenerationRequest("queued", prompt="c d", max_tokens=40))
+        reading = asyncio.ensure_future(anext(queued))
+        await asyncio.sleep(0)
+        assert engine.counters().waiting == 1
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reading
+        await queued.aclose()
+        waiting = engine.counters().waiting
+        async for _ in first:
+            pass
+        generated = engine.counters().generated_tokens
+        await engine.shutdown()
+        return waiting, generated
+
+    waiting, generated = asyncio.run(run())
+    assert waiting == 0
+    assert generated == 40  # "first" alone: the closed request never ran
+
+
+def test_a_simulator_abort_ends_the_reader_of_a_running_stream():
+    """Aborting a running streamed request from outside its reader ends the reader's stream
+    with a last chunk whose finish reason is "abort" (as vLLM's), instead of leaving it
+    waiting for chunks that never come."""
+    async def run() -> list[str | None]:
+        engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15, time_scale=0.0)
+        await engine.start()
+        reasons = []
+        async for chunk in engine.generate(GenerationRequest("r", prompt="a", max_tokens=500)):
+            reasons.append(chunk.finish_reason)
+            if len(reasons) == 2:
+                await engine.abort("r")
+        await engine.shutdown()
+        return reasons
+
+    reasons = asyncio.run(asyncio.wait_for(run(), 5))
+    assert reasons[-1] == "abort" and reasons[:-1] == [None] * (len(reasons) - 1)
 
 
 def test_a_simulator_not_running_refuses_a_request_at_once():

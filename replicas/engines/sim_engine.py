@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 # Put in a reader's queue when the step loop ends: no chunk will follow.
 LOOP_STOPPED = object()
+# Put in a reader's queue when its request is aborted: its stream ends, as vLLM's does, with
+# a last chunk whose finish reason is "abort".
+ABORTED = object()
 
 VOCAB = 4096
 
@@ -152,6 +155,8 @@ class SimulatedEngine:
                 self._release(entry)
             elif entry in self._waiting:
                 self._waiting.remove(entry)
+            if entry.queue is not None:
+                entry.queue.put_nowait(ABORTED)
 
     def drain_steps(self) -> list[StepRecord]:
         records, self._records = self._records, []
@@ -246,6 +251,11 @@ class SimulatedEngine:
                 item = await entry.queue.get()
                 if item is LOOP_STOPPED:
                     raise self._ended()
+                if item is ABORTED:
+                    yield GenerationChunk(token_ids=(), text="", prompt_tokens=prompt_tokens,
+                                          completion_tokens=entry.generated,
+                                          finish_reason="abort")
+                    return
                 first, count, finished = item
                 ids = tuple(token_at(prompt, first + i) for i in range(count))
                 yield GenerationChunk(
@@ -255,7 +265,8 @@ class SimulatedEngine:
                 if finished:
                     return
         finally:
-            if not entry.aborted and request.request_id in self._running:
+            # A reader that leaves early takes its request out, running or still queued.
+            if not entry.done and not entry.aborted:
                 await self.abort(request.request_id)
 
     async def _run(self) -> None:
