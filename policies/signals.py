@@ -112,7 +112,12 @@ class RequestWindows:
         width = max(part.accepted.shape[1] for part in parts)
 
         def padded(rows: np.ndarray) -> np.ndarray:
-            return np.pad(rows, ((0, 0), (width - rows.shape[1], 0)))
+            # Not np.pad: its generality cost the cluster simulation 7% of its time here.
+            if rows.shape[1] == width:
+                return rows
+            out = np.zeros((rows.shape[0], width), rows.dtype)
+            out[:, width - rows.shape[1]:] = rows
+            return out
 
         return cls(tuple(rid for part in parts for rid in part.request_ids),
                    np.vstack([padded(part.accepted) for part in parts]),
