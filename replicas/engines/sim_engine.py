@@ -22,11 +22,10 @@ import logging
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from itertools import chain, islice
+from itertools import accumulate, chain, islice
 
 import numpy as np
 
-from policies.outcomes import reaching
 from policies.signals import REQUEST_WINDOW, RequestWindows
 from replicas.engines.base import (
     EngineCounters,
@@ -36,7 +35,13 @@ from replicas.engines.base import (
     GenerationRequest,
     StepRecord,
 )
-from replicas.engines.sim_presets import PRESETS, Acceptance, AcceptanceTable, SimPreset
+from replicas.engines.sim_presets import (
+    PRESETS,
+    Acceptance,
+    AcceptanceTable,
+    SimPreset,
+    draw_runs,
+)
 from replicas.engines.spec import EngineSpec
 
 logger = logging.getLogger(__name__)
@@ -97,16 +102,23 @@ class SimulatedEngine:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._active = np.zeros(max_num_seqs, bool)
         self._left = np.zeros(max_num_seqs, np.int64)  # tokens still to generate
-        self._slot_class = np.zeros(max_num_seqs, np.int64)  # index into the table
+        # Per slot, its request's acceptance (a column of `AcceptanceTable.params`).
+        self._slot_params = np.zeros((self._table.params.shape[0], max_num_seqs))
         self._slot_request = np.full(max_num_seqs, "", object)  # request id
-        self._cap = np.full(max_num_seqs, kmax, np.int64)  # most drafts a step (set_draft_caps)
+        # Most drafts a step: kmax unless capped (set_draft_caps); 0 in a free slot, so a step
+        # drafts, lands and makes nothing there.
+        self._cap = np.zeros(max_num_seqs, np.int64)
         self._streams: dict[int, _SimRequest] = {}  # by slot
         self._stopped: BaseException | None = None  # why the step loop ended, once it has
         # Each slot's last REQUEST_WINDOW verify outcomes, a ring: step n (counted in
         # `_totals.steps`) writes column n % REQUEST_WINDOW. `_window_len`: steps run by the
-        # request now in the slot (the window holds the last REQUEST_WINDOW of them).
+        # request now in the slot (the window holds the last REQUEST_WINDOW of them). A slot's
+        # ring is emptied when a request takes it, so the columns it has not written are zeros.
         self._window = np.zeros((2, max_num_seqs, REQUEST_WINDOW), np.int64)  # accepted, drafted
         self._window_len = np.zeros(max_num_seqs, np.int64)
+        # Row n % REQUEST_WINDOW: the ring's columns oldest first once n steps have written.
+        self._oldest_first = (np.arange(REQUEST_WINDOW)[:, None] +
+                              np.arange(REQUEST_WINDOW)) % REQUEST_WINDOW
         self._records: list[StepRecord] = []
         self._totals = EngineCounters(accepted_per_pos=[0] * kmax, drafted_per_pos=[0] * kmax)
         self._loop: asyncio.Task | None = None
@@ -140,7 +152,7 @@ class SimulatedEngine:
         self.k = k
 
     async def set_draft_caps(self, caps: dict[str, int]) -> None:
-        self._cap[:] = self.kmax
+        self._cap[:] = np.where(self._active, self.kmax, 0)
         for request_id, cap in caps.items():
             entry = self._running.get(request_id)
             if entry is not None:
@@ -196,8 +208,10 @@ class SimulatedEngine:
             self._slots[slot] = entry
             self._active[slot] = True
             self._left[slot] = entry.request.max_tokens
-            self._slot_class[slot] = self._table.index[entry.acceptance]
+            self._cap[slot] = self.kmax
+            self._slot_params[:, slot] = self._table.params[:, self._table.index[entry.acceptance]]
             self._slot_request[slot] = entry.request.request_id
+            self._window[:, slot] = 0
             if entry.queue is not None:
                 self._streams[slot] = entry
             admitted.append(entry)
@@ -211,13 +225,13 @@ class SimulatedEngine:
         self._active[slot] = False
         self._left[slot] = 0
         self._window_len[slot] = 0
-        self._cap[slot] = self.kmax
+        self._cap[slot] = 0
         self._streams.pop(slot, None)
         self._free_slots.append(slot)
 
     def request_acceptance(self) -> RequestWindows:
         """Each running request's recent verify outcomes, as vLLM's engine reports them."""
-        return self._windows_of(np.flatnonzero(self._window_len), self._totals.steps)
+        return self._windows_of(self._window_len.nonzero()[0], self._totals.steps)
 
     def finished_acceptance(self) -> tuple[RequestWindows, dict[str, str]]:
         """The last outcomes of the requests that finished since the last call, and their
@@ -227,13 +241,10 @@ class SimulatedEngine:
     def _windows_of(self, slots: np.ndarray, steps: int) -> RequestWindows:
         """The outcomes of the requests in `slots`, oldest first, once `steps` steps have
         written theirs."""
-        oldest_first = (steps + np.arange(REQUEST_WINDOW)) % REQUEST_WINDOW
-        accepted, drafted = self._window[:, slots][:, :, oldest_first]
-        kept = np.minimum(self._window_len[slots], REQUEST_WINDOW)
-        # A reused slot's ring still holds its previous request's outcomes before these.
-        outcomes = np.arange(REQUEST_WINDOW) >= REQUEST_WINDOW - kept[:, None]
-        return RequestWindows(tuple(self._slot_request[slots].tolist()),
-                              accepted * outcomes, drafted * outcomes, kept)
+        accepted, drafted = self._window.take(slots, axis=1).take(
+            self._oldest_first[steps % REQUEST_WINDOW], axis=2)
+        return RequestWindows(tuple(self._slot_request[slots].tolist()), accepted, drafted,
+                              np.minimum(self._window_len[slots], REQUEST_WINDOW))
 
     def next_batch_acceptance(self) -> Counter[Acceptance]:
         """The acceptance models of the requests the next step will run (how many of each).
@@ -299,29 +310,25 @@ class SimulatedEngine:
         requests it finished are in `just_finished` until the next step."""
         k, size, active = self.k, len(self._running), self._active
         depth = np.minimum(k, self._cap)  # each request's drafts: K, or its cap
-        ran_depth = depth[active]
-        draft_tokens = int(ran_depth.sum())
+        drafted_pos = self._per_position(depth, k)
+        draft_tokens = sum(drafted_pos)
         seconds = self.preset.step_seconds(size, k, draft_tokens)
         # A run drawn at K and cut at the cap: acceptance is a prefix.
-        runs = np.minimum(self._table.draw(self._rng, k, self._slot_class), depth)
+        runs = np.minimum(draw_runs(self._rng, k, self._slot_params), depth)
         tokens = np.minimum(runs + 1, self._left)  # free slots have nothing left: 0
         self._left -= tokens
         finished = active & (self._left == 0)
-        ran = runs[active]
         column = self._totals.steps % REQUEST_WINDOW  # this step's, counted at its end
         self._window[0, :, column], self._window[1, :, column] = runs, depth
         self._window_len += active
-        accepted_pos = [0] * self.kmax
-        if k:
-            # Position p landed in every sequence-step whose run reached p + 1.
-            accepted_pos[:k] = reaching(np.bincount(ran, minlength=k + 1)).tolist()
+        accepted_pos = self._per_position(runs, k)
         for slot, entry in self._streams.items():
             # (first position, tokens, finished): a reader that falls behind still names
             # each chunk's own positions.
             entry.queue.put_nowait((entry.generated, int(tokens[slot]), bool(finished[slot])))
             entry.generated += int(tokens[slot])
         self.just_finished = []
-        slots = np.flatnonzero(finished)
+        slots = finished.nonzero()[0]
         if slots.size:
             self._finished.add(self._windows_of(slots, self._totals.steps + 1), {
                 self._slot_request[slot]: self._slots[slot].request.request_class
@@ -332,15 +339,22 @@ class SimulatedEngine:
             entry.done = True
             self._release(entry)
             self.just_finished.append(entry)
-        drafted_pos = [0] * self.kmax
-        if k:
-            drafted_pos[:k] = reaching(np.bincount(ran_depth, minlength=k + 1)).tolist()
         record = StepRecord(running=size, waiting=len(self._waiting), k=k, wall_s=seconds,
                             drafts=drafted_pos[0] if k else 0, draft_tokens=draft_tokens,
                             # It drafts every open slot: the ones it left are capped.
                             capped_per_pos=tuple(size - drafted for drafted in drafted_pos[:k]),
-                            accepted_tokens=int(ran.sum()), accepted_per_pos=tuple(accepted_pos),
+                            accepted_tokens=sum(accepted_pos), accepted_per_pos=tuple(accepted_pos),
                             drafted_per_pos=tuple(drafted_pos), generated_tokens=int(tokens.sum()))
         self._records.append(record)
         self._totals.add(record)
         return seconds
+
+    def _per_position(self, counts: np.ndarray, k: int) -> list[int]:
+        """Per draft position p (as many as kmax), the slots whose count (drafts, or drafts
+        landed: at most K, 0 in a free slot) reached p + 1."""
+        positions = [0] * self.kmax
+        if k:
+            histogram = np.bincount(counts, minlength=k + 1).tolist()  # counts 0..K
+            # Summed from K down: those at K, at K - 1 or more, ..., at 1 or more.
+            positions[:k] = reversed(list(accumulate(histogram[:0:-1])))
+        return positions

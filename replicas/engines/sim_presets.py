@@ -54,25 +54,31 @@ class AcceptanceTable:
     def __init__(self, classes: Iterable[Acceptance]):
         self.classes = list(dict.fromkeys(classes))
         self.index = {acceptance: i for i, acceptance in enumerate(self.classes)}
-        self._copy_share = np.array([a.copy_share for a in self.classes])
-        self._inv_log_copy = np.array([_inverse_log(a.copy_rate) for a in self.classes])
-        self._inv_log_free = np.array([_inverse_log(a.free_rate) for a in self.classes])
-        self._max_run = np.array([np.inf if a.max_run is None else a.max_run
-                                  for a in self.classes])
+        # [4, classes]: copy share, 1 / ln(copy rate), 1 / ln(free rate), max run
+        self.params = np.array([[a.copy_share for a in self.classes],
+                                [_inverse_log(a.copy_rate) for a in self.classes],
+                                [_inverse_log(a.free_rate) for a in self.classes],
+                                [np.inf if a.max_run is None else a.max_run
+                                 for a in self.classes]])
 
     def draw(self, rng: np.random.Generator, k: int, classes: np.ndarray) -> np.ndarray:
         """Drafts accepted before the first miss, out of k, for one sequence-step of each
-        class index in `classes`: one draw picks the regime, one more the run, by inverting
-        P(run >= j) = rate^j."""
-        if k == 0:
-            return np.zeros(len(classes), np.int64)
-        draws = rng.random((2, len(classes)))
-        inv_log = np.where(draws[0] < self._copy_share[classes], self._inv_log_copy[classes],
-                           self._inv_log_free[classes])
-        # 1 - draw lies in (0, 1]; a rate of 1 never misses (a NaN from 0 * -inf too: fmin
-        # drops it for k).
-        return np.fmin(np.log1p(-draws[1]) * inv_log,
-                       np.minimum(self._max_run[classes], k)).astype(np.int64)
+        class index in `classes` (see `draw_runs`)."""
+        return draw_runs(rng, k, self.params[:, classes])
+
+
+def draw_runs(rng: np.random.Generator, k: int, params: np.ndarray) -> np.ndarray:
+    """Drafts accepted before the first miss, out of k, for one sequence-step of each column
+    of `params` (`AcceptanceTable.params` of its class): one draw picks the regime, one more
+    the run, by inverting P(run >= j) = rate^j."""
+    if k == 0:
+        return np.zeros(params.shape[1], np.int64)
+    copy_share, inv_log_copy, inv_log_free, max_run = params
+    draws = rng.random((2, params.shape[1]))
+    inv_log = np.where(draws[0] < copy_share, inv_log_copy, inv_log_free)
+    # 1 - draw lies in (0, 1]; a rate of 1 never misses (a NaN from 0 * -inf too: fmin
+    # drops it for k).
+    return np.fmin(np.log1p(-draws[1]) * inv_log, np.minimum(max_run, k)).astype(np.int64)
 
 
 def _inverse_log(rate: float) -> float:
