@@ -257,8 +257,8 @@ class EngineCounters:
 
 def add_per_position(totals: list[int], counts: Sequence[int]) -> None:
     """Add per-position counts into `totals`, position by position, up to its length."""
-    width = min(len(totals), len(counts))
-    totals[:width] = map(operator.add, totals[:width], counts[:width])
+    # The sums stop at the shorter of the two, and the slice is no longer than `totals`.
+    totals[:len(counts)] = map(operator.add, totals, counts)
 
 
 class Engine(Protocol):
