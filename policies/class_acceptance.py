@@ -116,9 +116,9 @@ def mixture(requests_per_class: Mapping[str, int], own: Mapping[str, Rates],
     if not weighed:
         return ()
     total = sum(count for count, _ in weighed)
-    width = min(len(rates) for _, rates in weighed)
-    return tuple(sum(count * rates[k] for count, rates in weighed) / total
-                 for k in range(width))
+    scaled = [[count * rate for rate in rates] for count, rates in weighed]
+    # Per position, the classes' count * rate there (as many positions as the shortest has).
+    return tuple(sum(position) / total for position in zip(*scaled, strict=False))
 
 
 def fresh_depth(requests_per_class: Mapping[str, int], own: Mapping[str, int],
@@ -161,6 +161,9 @@ class ClassAcceptance:
         self.fleet_fresh: dict[str, int] = {}
         self._period = 0
         self._measured: dict[str, list[int]] = {}  # class -> period each position was measured
+        self.own_fresh: dict[str, int] = {}
+        """Per class, the leading positions this replica measured in the last periods (as of
+        the last `observe`, the only change to what it counts)."""
 
     def observe(self, counts: Mapping[str, tuple[Sequence[float], Sequence[float]]]) -> None:
         """One period's (accepted, drafted) per position for each class that drafted."""
@@ -172,10 +175,9 @@ class ClassAcceptance:
                 measured = self._measured.setdefault(request_class, [])
                 measured.extend([0] * (len(fresh) - len(measured)))
                 measured[:len(fresh)] = [self._period] * len(fresh)
+        self.own_fresh = self._fresh_depths()
 
-    @property
-    def own_fresh(self) -> dict[str, int]:
-        """Per class, the leading positions this replica measured in the last periods."""
+    def _fresh_depths(self) -> dict[str, int]:
         depths = {}
         for request_class, measured in self._measured.items():
             depth = 0
