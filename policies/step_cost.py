@@ -9,6 +9,7 @@ open slots per position); `goodput` scores each tier with them.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -137,7 +138,8 @@ def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], ba
     (capped steps verify depths between the tiers: one such step at batch 64 priced K=15 at
     batch 1 at 82 ms against its measured 12)."""
     known = sorted(table)
-    bracketing = [d for d in known if min(table[d]) <= batch <= max(table[d])]
+    batches = {depth: sorted(table[depth]) for depth in known}
+    bracketing = [d for d in known if batches[d][0] <= batch <= batches[d][-1]]
     if len(bracketing) >= 2:
         known = bracketing
     if not known:
@@ -146,7 +148,7 @@ def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], ba
     for depth in known:
         points = table[depth]
         here = value(points[batch]) if batch in points else \
-            _interpolate(batch, sorted(points), lambda b, points=points: value(points[b]))
+            _interpolate(batch, batches[depth], lambda b, points=points: value(points[b]))
         floor = max(floor, here)
         at_batch[depth] = floor
     return {d: _interpolate(d, known, at_batch.__getitem__) for d in depths}
@@ -155,14 +157,13 @@ def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], ba
 def _interpolate(x: float, known: list[int], value_at: Callable[[int], float]) -> float:
     """Piecewise-linear value at `x` from the sorted points `known`, extrapolating from the
     two nearest at either end; a single point means flat (memory-bound: cost does not grow)."""
-    if x in known:
+    above = bisect_left(known, x)  # the first point at or above x
+    if above < len(known) and known[above] == x:
         return value_at(x)
-    lower = [p for p in known if p < x]
-    upper = [p for p in known if p > x]
-    if lower and upper:
-        x0, x1 = lower[-1], upper[0]
+    if 0 < above < len(known):
+        x0, x1 = known[above - 1], known[above]
     elif len(known) >= 2:
-        x0, x1 = (known[-2], known[-1]) if lower else (known[0], known[1])
+        x0, x1 = (known[-2], known[-1]) if above else (known[0], known[1])
     else:
         return value_at(known[0])
     y0, y1 = value_at(x0), value_at(x1)
