@@ -116,18 +116,20 @@ class BatchAcceptance:
         drafts land finish in fewer steps at a deeper K, and their slots go to requests
         whose drafts fail, so the mean over the batch as it is now would overstate a deeper
         K for a mixed batch (and once there, still prefer it at that K's thinner mix). Each
-        request drafts min(K, its cap) (`caps`, one per row; None: K for all) positions, of
+        request drafts min(K, its cap) (`caps`, one per row; None: K for all; or several
+        sets of caps, [sets, rows], for results per set, [sets, len(ks)]) positions, of
         which the drafter fills `verified(depth)` (all without it), and keeps its share w_r
         of the tokens, so the batch makes 1 / sum_r (w_r / L_r) tokens per sequence-step and
         holds each request in a share of its slots proportional to w_r / L_r. Drafts are
         mapped per request, then averaged: the drafter fills fewer deep positions, so the
         mean depth's drafts would overcharge a batch that caps some requests shallow and
         lets others draft deep."""
-        depths = self._depths(np.array(ks)[:, None], caps)  # [ks, rows]
+        depths = self._depths(np.array(ks)[:, None],  # [(sets,) ks, rows]
+                              None if caps is None else caps[..., None, :])
         slots = self.tokens / self.lengths[depths, np.arange(self.tokens.shape[0])]
-        per_slot = slots.sum(axis=1)
+        per_slot = slots.sum(axis=-1)
         drafts = depths if verified is None else verified(depths)
-        return self.tokens.sum() / per_slot, (slots * drafts).sum(axis=1) / per_slot
+        return self.tokens.sum() / per_slot, (slots * drafts).sum(axis=-1) / per_slot
 
     def share_within(self, k: int, caps: np.ndarray | None, step_s: float,
                      bound_s: float) -> float:
@@ -143,15 +145,16 @@ class BatchAcceptance:
         caps (`ks` broadcast against the rows)."""
         return np.minimum(ks, self.reach.shape[0] if caps is None else caps)
 
-    def caps(self, threshold: float, least: int) -> np.ndarray:
+    def caps(self, threshold: float | np.ndarray, least: int) -> np.ndarray:
         """Per request, the draft positions that land with at least `threshold`, never fewer
-        than `least`, and twice the drafts it landed whole in its last step. r_k falls with
+        than `least`, and twice the drafts it landed whole in its last step (for an array
+        of thresholds, [thresholds, rows]: a set of caps per threshold). r_k falls with
         k, so they are a prefix. The doubling is how a capped request shows what lies past
         its cap: a step that lands all of its drafts says nothing about the next position,
         so a request capped by a stale guess (the previous phase's traffic) would otherwise
         stay capped while it copies."""
-        return np.maximum(np.maximum(least, (self.reach >= threshold).sum(axis=0)),
-                          2 * self.full_runs)
+        landing = (self.reach >= np.asarray(threshold)[..., None, None]).sum(axis=-2)
+        return np.maximum(np.maximum(least, landing), 2 * self.full_runs)
 
 
 def batch_acceptance(requests: RequestWindows, landing: list[float], prior_strength: float,
@@ -201,9 +204,9 @@ def batch_acceptance(requests: RequestWindows, landing: list[float], prior_stren
         reach = (beyond + prior_strength * guess) / (at_risk + prior_strength)
     else:  # without a prior, a position no step reached has no evidence: the guess stands
         reach = np.where(at_risk > 0, beyond / np.maximum(at_risk, 1), guess)
-    np.cumprod(reach, axis=0, out=reach)  # r_k per position (rows) and request (columns)
+    reach.cumprod(axis=0, out=reach)  # r_k per position (rows) and request (columns)
     lengths = np.ones((kmax + 1, rows))  # L_r(d) for d = 0..kmax
-    np.cumsum(reach, axis=0, out=lengths[1:])
+    reach.cumsum(axis=0, out=lengths[1:])
     lengths[1:] += 1
     tokens = landed.sum(axis=1) + requests.lengths  # a step: its landed drafts and one more
     if drafted.shape[1]:

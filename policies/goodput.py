@@ -212,13 +212,13 @@ class GoodputPolicy:
             options = [(None, [1 + sum(landing[:k]) for k in ks],
                         [self.fill.verified(k) for k in ks])]
         else:
-            thresholds = CAP_THRESHOLDS if self.config.draft_caps and \
-                signals.draft_caps_apply else ()
-            options = []
-            for caps in (None, *(requests.caps(t, self.config.min_draft_cap)
-                                 for t in thresholds)):
+            per_step, per_sequence = requests.steady(ks, None, self.fill.verified_each)
+            options = [(None, per_step.tolist(), per_sequence.tolist())]
+            if self.config.draft_caps and signals.draft_caps_apply:
+                # A set of caps per threshold, all scored at once.
+                caps = requests.caps(np.array(CAP_THRESHOLDS), self.config.min_draft_cap)
                 per_step, per_sequence = requests.steady(ks, caps, self.fill.verified_each)
-                options.append((caps, per_step.tolist(), per_sequence.tolist()))
+                options += zip(caps, per_step.tolist(), per_sequence.tolist(), strict=True)
         # A tier costs what the drafts it would verify cost (see `DraftFill`).
         depths = {d for _, _, drafts in options for d in drafts}
         seconds = self.costs.predict_row(batch, tuple(depths))

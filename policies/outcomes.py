@@ -47,4 +47,4 @@ def reaching(histogram: np.ndarray) -> np.ndarray:
     """From counts of values 0..width along the last axis, how many values are at least k + 1
     for k < width (of drafts offered: steps that drafted position k; of drafts accepted:
     steps that landed it)."""
-    return np.cumsum(histogram[..., :0:-1], axis=-1)[..., ::-1]
+    return histogram[..., :0:-1].cumsum(axis=-1)[..., ::-1]
