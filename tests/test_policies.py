@@ -572,6 +572,29 @@ def test_a_capped_request_that_lands_every_draft_gets_twice_as_many():
     assert batch.caps(0.5, 1).tolist() == [2, 1]
 
 
+
+def test_cap_sets_scored_together_match_each_set_scored_alone():
+    """`goodput` scores its cap sets (one per threshold) in one pass: each set's tokens per
+    sequence-step and drafts per sequence must be what scoring that set alone gives."""
+    rng = np.random.default_rng(3)
+    drafted = rng.integers(1, 8, (6, 30))
+    landed = np.minimum(drafted, rng.geometric(0.35, (6, 30)) - 1)
+    requests = RequestWindows(tuple(f"r{i}" for i in range(6)), landed, drafted,
+                              np.full(6, 30))
+    batch = batch_acceptance(requests, [0.6 * 0.8 ** k for k in range(15)], 4.0)
+    fill = DraftFill(15, decay=0.7)
+    fill.update([round(1000 * (1 - k / 20)) for k in range(15)], [1000] * 15)
+    thresholds = (0.2, 0.4, 0.6, 0.8)
+    sets = batch.caps(np.array(thresholds), 1)
+    assert sets.shape == (4, 6) and len({tuple(caps) for caps in sets.tolist()}) > 1
+    per_step, per_sequence = batch.steady(CANDIDATES, sets, fill.verified_each)
+    for row, threshold in enumerate(thresholds):
+        caps = batch.caps(threshold, 1)
+        assert caps.tolist() == sets[row].tolist()
+        alone_step, alone_sequence = batch.steady(CANDIDATES, caps, fill.verified_each)
+        assert per_step[row].tolist() == pytest.approx(alone_step.tolist())
+        assert per_sequence[row].tolist() == pytest.approx(alone_sequence.tolist())
+
 def test_steady_lengths_price_a_request_without_outcomes_by_its_class():
     """A phase change: the replica's rates still describe copy traffic, and the requests now
     running are sampled ones that have barely drafted. Priced by the replica's rates they
