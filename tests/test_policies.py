@@ -572,7 +572,6 @@ def test_a_capped_request_that_lands_every_draft_gets_twice_as_many():
     assert batch.caps(0.5, 1).tolist() == [2, 1]
 
 
-
 def test_cap_sets_scored_together_match_each_set_scored_alone():
     """`goodput` scores its cap sets (one per threshold) in one pass: each set's tokens per
     sequence-step and drafts per sequence must be what scoring that set alone gives."""
@@ -594,6 +593,7 @@ def test_cap_sets_scored_together_match_each_set_scored_alone():
         alone_step, alone_sequence = batch.steady(CANDIDATES, caps, fill.verified_each)
         assert per_step[row].tolist() == pytest.approx(alone_step.tolist())
         assert per_sequence[row].tolist() == pytest.approx(alone_sequence.tolist())
+
 
 def test_steady_lengths_price_a_request_without_outcomes_by_its_class():
     """A phase change: the replica's rates still describe copy traffic, and the requests now

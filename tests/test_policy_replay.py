@@ -26,7 +26,7 @@ from bench.policy_replay import (
 )
 from replicas.engines.base import GenerationRequest
 from replicas.engines.sim_engine import SimulatedEngine
-from replicas.engines.sim_presets import PRESETS, Acceptance, AcceptanceTable
+from replicas.engines.sim_presets import PRESETS, Acceptance, AcceptanceTable, draw_runs
 
 PHASES = ["low_1", "high_1", "low_2", "high_2"]
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
@@ -85,8 +85,8 @@ def test_the_oracle_offers_k0_where_the_adaptive_modes_run_it() -> None:
 
 def test_acceptance_mixture_matches_its_expected_run_length() -> None:
     acceptance, k = Acceptance(0.5, copy_share=0.25, copy_rate=0.999), 7
-    runs = AcceptanceTable([acceptance]).draw(np.random.default_rng(0), k,
-                                              np.zeros(20000, np.int64)).tolist()
+    runs = draw_runs(np.random.default_rng(0), k,
+                     AcceptanceTable([acceptance]).params[:, np.zeros(20000, np.int64)]).tolist()
     expected = sum(0.25 * 0.999 ** i + 0.75 * 0.5 ** i for i in range(1, k + 1))
     assert sum(runs) / len(runs) == pytest.approx(expected, rel=0.03)
     assert acceptance.mean_run(k) == pytest.approx(expected)
@@ -127,13 +127,13 @@ def test_a_run_cut_at_max_run_never_lands_deeper() -> None:
     acceptance = Acceptance(0.999, max_run=2)
     table = AcceptanceTable([acceptance, Acceptance(0.999)])
     rng = np.random.default_rng(0)
-    cut = table.draw(rng, 7, np.zeros(5000, np.int64))
-    free = table.draw(rng, 7, np.ones(5000, np.int64))
+    cut = draw_runs(rng, 7, table.params[:, np.zeros(5000, np.int64)])
+    free = draw_runs(rng, 7, table.params[:, np.ones(5000, np.int64)])
     assert cut.max() == 2 and (cut == 2).mean() > 0.99
     assert free.max() == 7
     assert acceptance.mean_run(7) == pytest.approx(2, rel=0.01)
     assert acceptance.mean_run(1) == pytest.approx(1, rel=0.01)
-    assert table.draw(rng, 1, np.zeros(100, np.int64)).max() == 1
+    assert draw_runs(rng, 1, table.params[:, np.zeros(100, np.int64)]).max() == 1
 
 
 def test_a_classes_request_types_are_dealt_by_seed_else_by_id() -> None:

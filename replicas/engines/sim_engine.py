@@ -22,10 +22,11 @@ import logging
 from collections import Counter, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from itertools import accumulate, chain, islice
+from itertools import chain, islice
 
 import numpy as np
 
+from policies.outcomes import reaching
 from policies.signals import REQUEST_WINDOW, RequestWindows
 from replicas.engines.base import (
     EngineCounters,
@@ -354,7 +355,5 @@ class SimulatedEngine:
         landed: at most K, 0 in a free slot) reached p + 1."""
         positions = [0] * self.kmax
         if k:
-            histogram = np.bincount(counts, minlength=k + 1).tolist()  # counts 0..K
-            # Summed from K down: those at K, at K - 1 or more, ..., at 1 or more.
-            positions[:k] = reversed(list(accumulate(histogram[:0:-1])))
+            positions[:k] = reaching(np.bincount(counts, minlength=k + 1)).tolist()
         return positions

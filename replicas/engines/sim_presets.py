@@ -61,11 +61,6 @@ class AcceptanceTable:
                                 [np.inf if a.max_run is None else a.max_run
                                  for a in self.classes]])
 
-    def draw(self, rng: np.random.Generator, k: int, classes: np.ndarray) -> np.ndarray:
-        """Drafts accepted before the first miss, out of k, for one sequence-step of each
-        class index in `classes` (see `draw_runs`)."""
-        return draw_runs(rng, k, self.params[:, classes])
-
 
 def draw_runs(rng: np.random.Generator, k: int, params: np.ndarray) -> np.ndarray:
     """Drafts accepted before the first miss, out of k, for one sequence-step of each column
