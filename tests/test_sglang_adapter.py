@@ -101,6 +101,32 @@ def test_a_request_refused_on_admission_is_the_requests_fault_and_a_later_error_
     assert asyncio.run(read(-1)) == [0, 1, 2]
 
 
+def test_a_reader_that_leaves_early_closes_the_engine_stream_at_once():
+    """The engines abort a request when their output generator closes: a reader that stops
+    after the first chunk must close it then, not leave it to the garbage collector."""
+    import asyncio
+
+    from replicas.engines.base import admitted
+
+    closed: list[int] = []
+
+    async def stream():
+        try:
+            for n in range(100):
+                yield n
+        finally:
+            closed.append(n)
+
+    async def first_only() -> None:
+        engine_stream = stream()
+        reader = admitted(engine_stream, (ValueError,))
+        assert await anext(reader) == 0
+        await reader.aclose()
+        assert closed == [0]  # before this coroutine ends, while `engine_stream` is alive
+
+    asyncio.run(first_only())
+
+
 def test_a_verify_is_timed_from_its_rounds_start_not_from_the_verify_before(monkeypatch):
     """Between two verifies SGLang may sit idle or run prefill batches: a step's time starts
     when the controller asks for the round's steps (when it asks), else at the last verify."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
@@ -22,21 +23,23 @@ class EngineInputError(ValueError):
 T = TypeVar("T")
 
 
-async def admitted(stream: AsyncIterator[T], rejections: tuple[type[Exception], ...]
+async def admitted(stream: AsyncGenerator[T, None], rejections: tuple[type[Exception], ...]
                    ) -> AsyncIterator[T]:
     """`stream`, with an error of a `rejections` type before its first item raised as
     `EngineInputError`. vLLM and SGLang check a request as they admit it, which happens when
     their output stream is first read: failing there, the request itself is at fault; failing
-    later, the engine is."""
-    try:
-        first = await anext(stream)
-    except StopAsyncIteration:
-        return
-    except rejections as error:
-        raise EngineInputError(str(error)) from error
-    yield first
-    async for item in stream:
-        yield item
+    later, the engine is. Closing this closes `stream` at once (a reader that leaves early:
+    the engine's generator aborts its request then, not whenever it is collected)."""
+    async with contextlib.aclosing(stream):
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            return
+        except rejections as error:
+            raise EngineInputError(str(error)) from error
+        yield first
+        async for item in stream:
+            yield item
 
 
 # Sampling controls beyond temperature and top-p, by the names vLLM's `SamplingParams` (and
