@@ -58,7 +58,14 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 logger = logging.getLogger("ray.serve")
 
 
+# Request bodies validate strictly, as OpenAI's API does: "5" or true is not a max_tokens,
+# "yes" not a stream (pydantic's default would coerce them).
+STRICT = ConfigDict(strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
@@ -93,7 +100,8 @@ def refuse_unapplied(value: Any, info: ValidationInfo) -> Any:
 
 
 class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NaN and infinity are refused by name (JSON parsers take NaN), not by a range check.
+    model_config = ConfigDict(**STRICT, extra="ignore", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -189,6 +197,8 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
+    model_config = STRICT
+
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
 
@@ -238,10 +248,14 @@ class APIError(Exception):
 
 def request_status(error: BaseException | None) -> str:
     """A finished request's status label: ok, cancelled (the client went away: its task was
-    cancelled, or its response stream closed) or error."""
+    cancelled, or its response stream closed), invalid (the engine refused the request as
+    asked: a 4xx, the client's mistake, kept out of `error` so an alert on it means a fault)
+    or error."""
     if error is None:
         return "ok"
-    return "cancelled" if isinstance(error, asyncio.CancelledError | GeneratorExit) else "error"
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        return "cancelled"
+    return "invalid" if isinstance(error, APIError) and error.status < 500 else "error"
 
 
 def generation_failed(request_id: str, error: BaseException) -> APIError:
@@ -394,15 +408,18 @@ class Ingress:
             first = error.errors()[0]
             raise APIError(400, first["msg"], param=".".join(map(str, first["loc"])) or None
                            ) from error
-        if body.model != self.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this endpoint "
-                                f"serves {self.model_name!r}", "not_found_error",
-                           param="model", code="model_not_found")
+        self._check_model(body.model)
         return body
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this endpoint serves "
+                                f"{self.model_name!r}", "not_found_error", param="model",
+                           code="model_not_found")
 
     # ---- OpenAI routes ------------------------------------------------------------------------
 
-    @fastapi_app.get("/health")
+    @fastapi_app.api_route("/health", methods=["GET", "HEAD"])  # some balancers probe HEAD
     async def health(self) -> dict[str, str]:
         """Ready when an engine replica answers (no API key: load balancers probe it)."""
         try:
@@ -416,8 +433,17 @@ class Ingress:
     @fastapi_app.get("/v1/models")
     async def models(self, request: Request) -> dict[str, Any]:
         self._authorize(request)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                            "created": 0, "owned_by": "specserve"}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @fastapi_app.get("/v1/models/{model:path}")  # a model id may hold slashes (org/name)
+    async def model(self, request: Request, model: str) -> dict[str, Any]:
+        self._authorize(request)
+        self._check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0,
+                "owned_by": "specserve"}
 
     @fastapi_app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(self, request: Request) -> Any:
@@ -565,6 +591,12 @@ class Ingress:
         user_config["issued_at"] = time.time()  # orders run-time changes fleet-wide
         results = await self._broadcast("reconfigure", user_config)
         failed = [result for result in results if isinstance(result, BaseException)]
+        if failed and len(failed) == len(results) and \
+                all(isinstance(result, ValueError) for result in failed):
+            # Every replica refused it as invalid for its state (a static K outside its
+            # tiers, a policy its engine cannot serve), each leaving itself as it was.
+            cause = getattr(failed[0], "cause", None) or failed[0]  # a Ray error wraps it
+            raise APIError(400, str(cause))
         if failed:  # a valid change the replica could not apply: a server fault
             logger.error("reconfiguration failed on %d of %d replicas: %r", len(failed),
                          len(results), failed)

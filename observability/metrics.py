@@ -125,7 +125,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("specserve_request_e2e_seconds", "histogram", "Request latency, end to end.",
                ("ingress", "model"), unit="s", buckets=_E2E_S),
     MetricSpec("specserve_requests_total", "counter",
-               "Finished requests by status (ok, error, cancelled).",
+               "Finished requests by status (ok; cancelled; invalid: refused by the engine as "
+               "asked; error: a fault).",
                ("ingress", "model", "status")),
     MetricSpec("specserve_request_prompt_tokens_total", "counter", "Prompt tokens of requests.",
                ("ingress", "model")),

@@ -7,7 +7,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.signals import Decision, Signals
-from policies.tiers import snap_down
 
 
 class StaticConfig(BaseModel):
@@ -23,7 +22,12 @@ class StaticPolicy:
     decides_on_arrival = False
 
     def __init__(self, config: StaticConfig, candidates: tuple[int, ...]):
-        self.k = snap_down(config.k, candidates)
+        # Refused, not rounded to a neighbour: a static policy promises its one K.
+        if config.k not in candidates:
+            raise ValueError(f"static K={config.k} is not one of the candidate tiers "
+                             f"{list(candidates)}; choose one of them, or send new "
+                             "candidates with it")
+        self.k = config.k
 
     def decide(self, signals: Signals) -> Decision:
         return Decision(self.k, "static")

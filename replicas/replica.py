@@ -67,11 +67,14 @@ class EngineReplica:
         self.pool = TierPool(self.engine, candidates, initial_k)
         await self.pool.apply_initial()
         self.metrics = ReplicaMetrics(self.replica_id, self.pool.candidates)
-        self.loop = ControlLoop(self.engine, self.pool, build_policy(policy, self.pool.candidates),
+        config = parse_policy_config(policy)
+        self.loop = ControlLoop(self.engine, self.pool, build_policy(config, self.pool.candidates),
                                 decide_every_steps, max_batch=spec.max_num_seqs,
                                 class_prior=self._class_prior,
                                 on_switch_lag=self.metrics.record_switch_lag_steps)
-        self.policy_config = parse_policy_config(policy).model_dump()
+        self.policy_config = config.model_dump()
+        self._profile: list[tuple[int, int, float]] = []  # see `_with_known_profile`
+        self._remember_profile(config)
         tracing.configure_tracing("specserve-replica")
         self.active_spans = tracing.ActiveSpans()
         self.telemetry_period_s = telemetry_period_s
@@ -134,7 +137,11 @@ class EngineReplica:
             chat_ids = self._render_chat(chat) if chat is not None else None
             max_tokens = payload["max_tokens"]
             if max_tokens is None and chat_ids is not None:  # to the end of the context
-                max_tokens = max(1, self.engine.max_model_len - len(chat_ids))
+                max_tokens = self.engine.max_model_len - len(chat_ids)
+                if max_tokens < 1:  # said here: the engine's error would name max_tokens
+                    raise EngineInputError(
+                        f"this model's context is {self.engine.max_model_len} tokens and "
+                        f"the messages take {len(chat_ids)}, leaving none to generate")
             request = GenerationRequest(
                 request_id=payload["request_id"],
                 prompt=payload.get("prompt") if chat is None else None,
@@ -325,7 +332,8 @@ class EngineReplica:
         candidates = validate_candidates(user_config["candidates"], self.engine.kmax,
                                          user_config.get("initial_k")) \
             if "candidates" in user_config else self.pool.candidates
-        config = parse_policy_config(user_config.get("policy", self.policy_config))
+        config = self._with_known_profile(
+            parse_policy_config(user_config.get("policy", self.policy_config)))
         # A policy chooses among the tiers it was built with: new candidates rebuild it
         # (its learned state starts over, as on a change of policy).
         policy = build_policy(config, candidates)
@@ -337,10 +345,25 @@ class EngineReplica:
                 self._note_switch(change, Decision(change.to_k, "candidate tiers changed"))
         self.loop.replace_policy(policy)
         self.policy_config = config.model_dump()
+        self._remember_profile(config)
         if config.name == "static":  # apply at once rather than at the next decision
             change = await self.pool.switch(self.loop.policy.k)
             if change is not None:
                 self._note_switch(change, Decision(change.to_k, "reconfigured to static"))
+
+    def _with_known_profile(self, config: Any) -> Any:
+        """A `goodput` config sent without `profile` takes the last one this replica was
+        given (the deployment's, or one sent since): step costs belong to the machine, not
+        to a policy, and without them `goodput` prices only the tiers it has measured since
+        (it holds K until then). An explicit `profile: []` is kept as sent."""
+        if config.name != "goodput" or "profile" in config.model_fields_set or \
+                not self._profile:
+            return config
+        return config.model_copy(update={"profile": self._profile})
+
+    def _remember_profile(self, config: Any) -> None:
+        if config.name == "goodput" and config.profile:
+            self._profile = list(config.profile)
 
     def _update_class_acceptance(self) -> None:
         """Per request class, decayed per-position acceptance from the recent verify
@@ -375,6 +398,7 @@ class EngineReplica:
         return {"replica_id": self.replica_id, "engine": self.engine.name,
                 "active_k": self.pool.active_k, "candidates": list(self.pool.candidates),
                 "switch_count": self.pool.switch_count, "policy": self.policy_config,
+                "stream_interval_ms": round(1000 * self.stream_interval_s, 3),
                 "max_effective_concurrency": self.loop.stats.max_effective_concurrency,
                 "max_local_batch": self.loop.stats.max_local_batch,
                 "max_routed": self.max_routed,

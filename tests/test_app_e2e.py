@@ -182,6 +182,10 @@ def test_chat_without_a_limit_runs_to_the_end_of_the_context(client, kind):
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.prompt_tokens + reply.usage.completion_tokens == \
         EngineSpec(**ENGINES[kind]).max_model_len
+    # Messages that fill the context leave nothing: a 400 about them (no max_tokens was sent).
+    too_long = [{"role": "user", "content": "x " * EngineSpec(**ENGINES[kind]).max_model_len}]
+    with pytest.raises(openai.BadRequestError, match="the messages take"):
+        client.chat.completions.create(model="target", messages=too_long)
 
 
 def test_logprobs_come_from_vllm_and_the_simulator_says_it_has_none(client, kind):
@@ -207,7 +211,11 @@ def test_logprobs_come_from_vllm_and_the_simulator_says_it_has_none(client, kind
 
 def test_models_and_health(app_url, client):
     assert [m.id for m in client.models.list()] == ["target"]
+    assert client.models.retrieve("target").id == "target"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
     assert httpx.get(f"{app_url}/health", timeout=30).json() == {"status": "ok"}
+    assert httpx.head(f"{app_url}/health", timeout=30).status_code == 200
 
 
 def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(
@@ -254,6 +262,9 @@ def test_traffic_reaches_both_replicas_and_policies_see_effective_concurrency(
 @pytest.mark.parametrize(("body", "status"), [
     ({"model": "nope", "prompt": "x"}, 404),
     ({"model": "target", "prompt": "x", "max_tokens": 0}, 400),
+    # Strict types, as OpenAI's API: not 5 tokens, not a stream.
+    ({"model": "target", "prompt": "x", "max_tokens": "5"}, 400),
+    ({"model": "target", "prompt": "x", "stream": "yes"}, 400),
     ({"model": "target", "prompt": "x", "temperature": -1}, 400),
     ({"model": "target", "prompt": "x", "n": 2}, 400),
     ({"model": "target", "prompt": ""}, 400),
@@ -391,6 +402,17 @@ def test_a_benchmark_run_leaves_the_app_on_the_policy_it_found(app_url, kind):
     assert [r["policy"] for r in replicas(app_url)] == before
 
 
+def test_the_stream_interval_in_force_is_read_back_per_replica(app_url):
+    before = {r["stream_interval_ms"] for r in replicas(app_url)}
+    response = httpx.post(f"{app_url}/admin/policy", json={"stream_interval_ms": 20},
+                          timeout=30)
+    response.raise_for_status()
+    assert {r["stream_interval_ms"] for r in response.json()["replicas"]} == {20.0}
+    (interval,) = before
+    httpx.post(f"{app_url}/admin/policy", json={"stream_interval_ms": interval},
+               timeout=30).raise_for_status()
+
+
 def test_run_time_candidates_are_checked_and_the_policy_chooses_among_them(app_url):
     """A bad candidate list, or a policy that is not a config object, gets a 400 and changes
     no replica; a good list alone (no policy) rebuilds the running policy over the new
@@ -409,8 +431,15 @@ def test_run_time_candidates_are_checked_and_the_policy_chooses_among_them(app_u
         assert response.status_code == 400, (bad, response.text)
         assert response.json()["error"]["type"] == "invalid_request_error"
     assert tiers() == before
-    response = httpx.post(admin, json={"candidates": [0, 2, 5], "initial_k": 2}, timeout=30)
+    # Tiers without the static K in force, or a static K outside the tiers: every replica
+    # refuses it (a 400 with its reason) and stays as it was.
+    for bad in ({"candidates": [0, 2, 5]}, {"policy": {"name": "static", "k": 5}}):
+        response = httpx.post(admin, json=bad, timeout=30)
+        assert response.status_code == 400, (bad, response.text)
+        assert "is not one of the candidate tiers" in response.json()["error"]["message"]
+    assert tiers() == before
+    response = httpx.post(admin, json={"policy": {"name": "static", "k": 5},
+                                       "candidates": [0, 2, 5], "initial_k": 2}, timeout=30)
     response.raise_for_status()
-    # static K=7 over [0, 2, 5] is K=5; the old policy's 7 would be no tier at all.
     assert sorted((r["candidates"], r["active_k"]) for r in response.json()["replicas"]) == \
         [([0, 2, 5], 5)] * 2

@@ -763,6 +763,7 @@ def bare_replica() -> Iterator[EngineReplica]:
     replica.metrics = ReplicaMetrics("r", replica.pool.candidates)
     replica.active_spans = ActiveSpans()
     replica.stream_interval_s = 0.05
+    replica._profile = []
     try:
         yield replica
     finally:
@@ -783,6 +784,31 @@ def test_a_replica_given_a_bad_policy_with_new_candidates_changes_neither(policy
     asyncio.run(replica._apply_config({"policy": {"name": "static", "k": 2},
                                        "candidates": [0, 2, 5]}))
     assert (replica.pool.candidates, replica.pool.active_k) == ((0, 2, 5), 2)
+
+
+@pytest.mark.parametrize("change", [{"policy": {"name": "static", "k": 5}},
+                                    {"candidates": [0, 1, 3]}])
+def test_a_static_k_outside_the_tiers_is_refused_not_rounded(change, bare_replica):
+    """A static policy promises its K: K=5 among tiers without it, or tiers that drop the
+    static K in force, leave the replica as it was, with a reason that names the tiers."""
+    with pytest.raises(ValueError, match=r"static K=\d+ is not one of the candidate tiers"):
+        asyncio.run(bare_replica._apply_config(change))
+    assert (bare_replica.pool.candidates, bare_replica.pool.active_k) == ((0, 1, 3, 7, 15), 7)
+    assert bare_replica.loop.policy.k == 7
+
+
+def test_goodput_sent_without_a_profile_takes_the_one_the_replica_was_given(bare_replica):
+    """Back to `goodput` after another policy ({"name": "goodput"}): the step costs are the
+    machine's, so the deployment's profile comes back with it; `profile: []` is kept."""
+    profile = [[1, 0, 0.002], [1, 7, 0.004], [8, 0, 0.005], [8, 7, 0.012]]
+    for change in ({"name": "goodput", "profile": profile}, {"name": "static", "k": 3},
+                   {"name": "goodput"}):
+        asyncio.run(bare_replica._apply_config({"policy": change}))
+    assert [list(row) for row in bare_replica.policy_config["profile"]] == profile
+    assert bare_replica.loop.policy.costs.predict(8, 7) == pytest.approx(0.012)
+    asyncio.run(bare_replica._apply_config({"policy": {"name": "goodput", "profile": []}}))
+    assert bare_replica.policy_config["profile"] == []
+    assert bare_replica.loop.policy.costs.predict(8, 7) is None
 
 
 @pytest.mark.parametrize("interval", ["fast", -1, True, float("inf")])

@@ -74,3 +74,28 @@ def test_a_stream_interval_alone_reaches_every_replica():
     front = bare_ingress(Recording([None]))
     asyncio.run(front.set_policy(http_request({"stream_interval_ms": 0})))
     assert sent[0]["method"] == "reconfigure" and sent[0]["stream_interval_ms"] == 0
+
+
+def ray_wrapped(error: Exception) -> Exception:
+    """What a Serve handle returns for an exception raised in a replica: a RayTaskError that
+    is also an instance of the cause's class, its text the replica's traceback."""
+    from ray.exceptions import RayTaskError
+
+    return RayTaskError("reconfigure", "Traceback ... secret frames", error).as_instanceof_cause()
+
+
+def test_a_change_every_replica_refuses_as_invalid_is_a_400_with_the_reason():
+    """A static K outside the replicas' tiers is only found by them: each leaves itself as
+    it was, and the client gets their reason, not a 500 or a traceback."""
+    reason = "static K=5 is not one of the candidate tiers [0, 1, 3, 7]"
+    front = bare_ingress(Replicas([ray_wrapped(ValueError(reason))] * 2))
+    with pytest.raises(APIError) as raised:
+        asyncio.run(front.set_policy(http_request({"policy": {"name": "static", "k": 5}})))
+    assert (raised.value.status, raised.value.message) == (400, reason)
+
+
+def test_a_change_that_fails_on_some_replicas_only_is_a_server_fault():
+    front = bare_ingress(Replicas([None, ray_wrapped(ValueError("odd replica"))]))
+    with pytest.raises(APIError) as raised:
+        asyncio.run(front.set_policy(http_request({"policy": {"name": "static", "k": 3}})))
+    assert raised.value.status == 500 and "1 of 2" in raised.value.message

@@ -117,6 +117,18 @@ def test_a_failure_before_the_first_chunk_is_answered_counted_and_closed_once(
     assert len(spans_finished) == 1 and spans_finished[0] is not None
 
 
+def test_a_request_the_engine_refuses_is_a_400_counted_invalid_not_error(spans_finished):
+    """A prompt too long for the context is found by the engine: the client's mistake, so a
+    dashboard's error rate does not count it."""
+    refusal = {"error": {"message": "the prompt exceeds the context",
+                         "type": "invalid_request_error", "code": 400}}
+    engine, recorded = Engine([refusal]), Recorded()
+    with pytest.raises(APIError) as raised:
+        asyncio.run(completion(engine, recorded))
+    assert raised.value.status == 400 and "exceeds the context" in raised.value.message
+    assert recorded.statuses == ["invalid"] and len(spans_finished) == 1
+
+
 def test_a_replica_that_died_before_answering_gets_the_request_once_more(spans_finished):
     engine, recorded = Engine(RayActorError(), [dict(CHUNK)]), Recorded()
     body = asyncio.run(completion(engine, recorded))

@@ -51,6 +51,24 @@ def test_a_control_outside_what_the_engines_do_is_refused_with_its_reason(fields
         completion(**fields)
 
 
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"max_tokens": "5"}, "valid integer"),
+    ({"max_tokens": True}, "valid integer"),
+    ({"max_tokens": 2.0}, "valid integer"),
+    ({"stream": "yes"}, "valid boolean"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "valid boolean"),
+    ({"temperature": float("nan")}, "finite number"),
+    ({"top_p": float("inf")}, "finite number"),
+])
+def test_a_value_of_the_wrong_type_is_refused_not_coerced(fields, message):
+    """As OpenAI's API: pydantic's lax mode would serve "5" as 5 tokens and true as 1."""
+    with pytest.raises(ValidationError, match=message):
+        completion(**fields)
+    with pytest.raises(ValidationError, match="valid string"):
+        chat(5)
+    assert completion(temperature=1, max_tokens=5).temperature == 1.0  # an int is a float
+
+
 def test_options_of_a_feature_not_asked_for_are_refused_not_ignored():
     """As vLLM: stream_options without a stream, top_logprobs without logprobs."""
     with pytest.raises(ValidationError, match="stream_options can only be set when stream"):
