@@ -63,6 +63,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench.cli import check_output_dirs, positive, positive_seconds
 from bench.cluster.fleet import MODES, PRESET
 from bench.cluster.load import LoadShape, offered_tok_s_per_replica, token_shares, workload
 from bench.cluster.report import plot, report, verdicts
@@ -150,17 +151,10 @@ def collect(futures: dict[str, Future]) -> dict[str, dict[str, Any]]:
     return {mode: future.result() for mode, future in futures.items()}
 
 
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive count")
-    return value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, nargs="+", default=[8, 64, 512])
-    parser.add_argument("--duration", type=float, default=None,
+    parser.add_argument("--replicas", type=positive, nargs="+", default=[8, 64, 512])
+    parser.add_argument("--duration", type=positive_seconds, default=None,
                         help="simulated seconds of arrivals (default: 480 / replicas, at "
                              "least 10: the same simulated work at every scale)")
     parser.add_argument("--rate", type=float, default=LoadShape.rate_per_replica,
@@ -171,9 +165,13 @@ def main() -> None:
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tpot", type=float, default=0.020)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=Path("bench/results/cluster_sim.json"))
-    parser.add_argument("--markdown", type=Path, default=Path("bench/results/cluster_sim.md"))
-    parser.add_argument("--plot", type=Path, default=Path("bench/results/cluster_sim.png"))
+    # The README's tables come from these: a trial run should name its own files.
+    parser.add_argument("--json", type=Path, default=Path("bench/results/cluster_sim.json"),
+                        help="default: %(default)s (the README's source)")
+    parser.add_argument("--markdown", type=Path, default=Path("bench/results/cluster_sim.md"),
+                        help="default: %(default)s (the README's source)")
+    parser.add_argument("--plot", type=Path, default=Path("bench/results/cluster_sim.png"),
+                        help="default: %(default)s")
     parser.add_argument("--seeds", type=int, default=5,
                         help="at fleets up to --seeds-up-to replicas, also run this many seeds "
                              "in all (other burst patterns), over the longer run too, and "
@@ -197,6 +195,10 @@ def main() -> None:
                         help="simulations run at once, one per worker process (each is "
                              "single-threaded; default: one per core)")
     args = parser.parse_args()
+    if unknown := set(args.modes.split(",")) - set(MODES):
+        parser.error(f"unknown modes {', '.join(sorted(unknown))}; choose from "
+                     f"{', '.join(MODES)}")
+    check_output_dirs(parser, args.json, args.markdown, args.plot)
     with ProcessPoolExecutor(args.jobs) as pool:
         try:
             runs = run_all(pool, args)
@@ -213,6 +215,8 @@ def main() -> None:
     if complete:
         args.markdown.write_text(text + "\n")
         plot(complete, args.plot)
+    written = [args.json, *((args.markdown, args.plot) if complete else ())]
+    print("written: " + ", ".join(map(str, written)))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from typing import Any
 
 import httpx
 
+from bench.cli import check_output_dirs, non_negative, positive
 from bench.report import is_static, percentile
 from bench.transition_report import combine, plot, report
 from bench.workloads import HIGH, LOW, MIX, Prompt, interleaved, sweep_shape
@@ -153,9 +154,13 @@ class Client:
         self.max_tokens = max_tokens
 
     async def resolve_model(self) -> None:
+        """The model to ask for: the one given, if the app serves it, else its first."""
+        served = [m["id"] for m in
+                  (await self.http.get("/v1/models")).raise_for_status().json()["data"]]
         if self.model is None:
-            models = (await self.http.get("/v1/models")).raise_for_status().json()
-            self.model = models["data"][0]["id"]
+            self.model = served[0]
+        elif self.model not in served:
+            raise SystemExit(f"the app serves {', '.join(served)}, not {self.model!r}")
 
     async def complete(self, prompt: Prompt, seed: int) -> tuple[int, float]:
         started = time.perf_counter()
@@ -260,7 +265,11 @@ async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     client = Client(args.url, args.model, args.max_tokens, args.api_key)
-    await client.resolve_model()
+    try:
+        await client.resolve_model()
+    except httpx.HTTPError as error:  # nothing listening, no scheme, a refused key
+        await client.http.aclose()
+        raise SystemExit(f"cannot use the app at {args.url}: {error!r}") from None
     phases = (transition_phases(args.requests, args.concurrency)
               if args.workload == "transition" else sweep_phases(args.requests))
     if args.phases:
@@ -307,6 +316,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                "requests": [p.requests for p in phases],
                "concurrency": [p.concurrency for p in phases], "warmup": args.warmup,
                "model": client.model, "replicas": len(found),
+               "tier_sample_s": ADMIN_POLL_S,  # the plot's K timeline misses faster moves
                "candidates": found[0]["candidates"],
                "policies": policies,  # what each mode ran, so a run can be repeated
                "modes": {mode: combined[mode] for mode in args.modes}}
@@ -374,11 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="default: the first of /v1/models")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--workload", choices=["transition", "sweep"], default="transition")
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--requests", type=positive, default=16)
+    parser.add_argument("--concurrency", type=positive, default=8,
+                        help="the transition's clients (the sweep sets its own: 1, 16, 64, 1)")
+    parser.add_argument("--warmup", type=non_negative, default=8)
+    parser.add_argument("--max-tokens", type=positive, default=256)
+    parser.add_argument("--rounds", type=positive, default=1,
                         help="run every mode this many times, interleaved; report medians")
     parser.add_argument("--modes", type=lambda s: s.split(","),
                         default=["static1", "static3", "static7", "static15", "ema", "goodput"])
@@ -409,6 +420,10 @@ def main() -> None:
         args.defined = defined_modes(args.define, args.modes)
     except ValueError as error:
         parser.error(str(error))
+    if duplicated := sorted({m for m in args.modes if args.modes.count(m) > 1}):
+        parser.error(f"--modes names {', '.join(duplicated)} twice (for an A/A control: "
+                     "--aa-control)")
+    check_output_dirs(parser, args.json, args.plot, args.markdown)
     if args.aa_control and args.aa_control not in args.modes:
         parser.error(f"--aa-control {args.aa_control!r} is not one of --modes")
     if bad := [m for m in args.modes

@@ -266,19 +266,28 @@ def plot(results: dict[str, Any], path: Path) -> None:
         start = r["started_s"][chosen]
         end = r["started_s"][chosen + 1] if chosen + 1 < len(r["started_s"]) else math.inf
         points = [p for p in r["timeline"] if start <= p["t"] < end]
-        for replica in sorted({p["replica"] for p in points}):
+        replicas = sorted({p["replica"] for p in points})
+        for i, replica in enumerate(replicas):
             own = [p for p in points if p["replica"] == replica]
-            ax_k.step([p["t"] - start for p in own], [p["k"] for p in own], where="post",
-                      label=f"replica {replica[-6:]}")
+            # Apart by a fraction of a tier, so replicas on the same K do not hide each other.
+            offset = 0.15 * (i - (len(replicas) - 1) / 2)
+            ax_k.step([p["t"] - start for p in own], [p["k"] + offset for p in own],
+                      where="post", label=f"replica {replica}")
         for name, began in zip(phase_names, r["rounds"][chosen]["phase_started_s"],
                                strict=True):
             ax_k.axvline(began - start, color="grey", lw=0.6)
             ax_k.annotate(name, (began - start, 1.0), xycoords=("data", "axes fraction"),
                           xytext=(2, -10), textcoords="offset points", fontsize=7)
+        if points:  # room on the right for the last phase's name
+            ax_k.set_xlim(0, 1.08 * (points[-1]["t"] - start))
+        if results.get("candidates"):
+            ax_k.set_yticks(results["candidates"])
+        sampled = f"K sampled every {results['tier_sample_s']} s, " \
+            if "tier_sample_s" in results else ""
         ax_k.set(xlabel="s since the round began", ylabel="active K",
                  title=f"{mode}: K over time per replica (round {chosen + 1} of "
-                       f"{len(r['rounds'])}, the median throughput; "
-                       f"{r['rounds'][chosen]['switches']} switches)")
+                       f"{len(r['rounds'])}, the median throughput; {sampled}"
+                       f"{r['rounds'][chosen]['switches']} switches in all)")
         ax_k.legend(fontsize=7, loc="center right")
     ax_tp = axes[-1, 0]
     width = 0.8 / max(1, len(modes))

@@ -27,6 +27,7 @@ from bench.load import is_loopback, run_load
 from bench.policy_replay import phases_for
 from bench.report import RatioInterval, percentile, t_975
 from bench.transition import (
+    Client,
     again,
     bench,
     build_parser,
@@ -521,3 +522,37 @@ def test_runs_of_another_load_or_deployment_are_not_pooled(key: str, value: obje
     with pytest.raises(ValueError, match=f"differ in {key}"):
         pool([run(**{key: value}), run(**{key: other})])
     assert pool([run(**{key: value}), run(**{key: value}), run()])["rounds"] == 3
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--modes", "static1,goodput,static1"], "names static1 twice"),
+    (["--json", "/no/such/dir/out.json"], "its directory /no/such/dir does not exist"),
+    (["--plot", "/no/such/dir/out.png"], "does not exist"),
+    (["--concurrency", "0"], "not a positive count"),
+    (["--rounds", "0"], "not a positive count"),
+    (["--warmup", "-1"], "below 0"),
+])
+def test_a_command_that_cannot_run_or_keep_its_results_is_refused_at_once(flags, reason):
+    """Before anything is sent: a run takes up to an hour, and its results were lost when
+    the output's directory turned out missing at the end."""
+    done = subprocess.run([sys.executable, "-m", "bench.transition",
+                           "--url", "http://127.0.0.1:9", *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and reason in done.stderr
+
+
+def test_an_app_that_cannot_be_reached_or_lacks_the_model_ends_the_run_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "bench.transition",
+                           "--url", "http://127.0.0.1:9"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().startswith("cannot use the app at http://127.0.0.1:9")
+
+    def served(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"data": [{"id": "target"}]})
+
+    client = Client("http://127.0.0.1:1", "nope", 8, None)
+    client.http = httpx.AsyncClient(base_url="http://127.0.0.1:1",
+                                    transport=httpx.MockTransport(served))
+    with pytest.raises(SystemExit, match="the app serves target, not 'nope'"):
+        asyncio.run(client.resolve_model())

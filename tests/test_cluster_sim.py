@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import subprocess
+import sys
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -340,3 +342,15 @@ def test_a_slo_no_mode_meets_gives_no_ratios_rather_than_no_results():
     assert cells("ACROSS BURST PATTERNS").count("n/a") == 4
     assert "| 8 | 0.3 | n/a | 1.000 |" in text
     assert RatioInterval.of([1.1, math.nan]) is None
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (["--replicas", "0"], "not a positive count"),
+    (["--duration", "0"], "not a positive number of seconds"),
+    (["--modes", "static1,nope"], "unknown modes nope"),
+    (["--json", "/no/such/dir/x.json"], "its directory /no/such/dir does not exist"),
+])
+def test_a_command_that_cannot_run_or_keep_its_results_is_refused_at_once(flags, reason):
+    done = subprocess.run([sys.executable, "-m", "bench.cluster_sim", *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and reason in done.stderr
