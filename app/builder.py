@@ -1,7 +1,7 @@
 """The application builder: `serve run serve_config.yaml` calls `build_app(args)`.
 
 `args` (the config file's `args`) are validated by `AppArgs`; the result is the ingress bound
-to the engine-replica deployment, which carries the tier-aware request router and the
+to the engine-replica deployment, which carries the class-gathering request router and the
 telemetry hub as a deployment-scoped actor.
 """
 

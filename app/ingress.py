@@ -43,10 +43,8 @@ from app.openai_format import ChatFormat, CompletionFormat, error_body, json_bod
 from observability import tracing
 from observability.exposition import CONTENT_TYPE, render_prometheus
 from observability.metrics import RequestMetrics
-from policies.registry import parse_policy_config
-from replicas.chunks import STREAM_INTERVAL_KEY, stream_interval_s
 from replicas.engines.base import SAMPLING_CONTROLS
-from replicas.tier_pool import validate_candidates
+from replicas.runtime_change import check_change
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
 MAX_BODY_BYTES = 1 << 20
@@ -575,17 +573,7 @@ class Ingress:
         self._authorize(request)
         user_config = await self._json(request)
         try:
-            if not isinstance(user_config, dict) or not {
-                    "policy", "candidates", STREAM_INTERVAL_KEY} & set(user_config):
-                raise ValueError('send {"policy": {...}}, {"candidates": [...]} and/or '
-                                 f'{{"{STREAM_INTERVAL_KEY}": ...}}')
-            if STREAM_INTERVAL_KEY in user_config:
-                stream_interval_s(user_config[STREAM_INTERVAL_KEY])
-            if "policy" in user_config:
-                parse_policy_config(user_config["policy"])
-            if "candidates" in user_config:  # as the replicas' pools will check them
-                validate_candidates(user_config["candidates"], self.kmax,
-                                    user_config.get("initial_k"))
+            check_change(user_config, self.kmax)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from error
         user_config["issued_at"] = time.time()  # orders run-time changes fleet-wide

@@ -17,7 +17,8 @@ each replica's batch in one class, where a rule that ranked by reported acceptan
 (see the README).
 
 The request class comes with the request (`payload["request_class"]`, set by the ingress:
-`greedy` (temperature 0) or `sampled`; without one, the replicas' `DEFAULT_CLASS`).
+`greedy` (temperature under 1e-5, which vLLM samples as argmax) or `sampled`; without one,
+the replicas' `DEFAULT_CLASS`).
 
 Loads stay fresh: a replica reports its handler's requests per router and class (each router
 stamps the payloads it routes with its id). A router counts its own requests itself, exactly
@@ -47,6 +48,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from app.telemetry_hub import STALE_AFTER_S
 from policies.class_acceptance import DEFAULT_CLASS
 
 CLASS_AFFINITY = 2.0
@@ -60,8 +62,9 @@ RESERVATION_S = 5.0
 # this long, and at most this many (probes and rejected attempts leave some too).
 EARLY_COMPLETION_S = 5.0
 EARLY_COMPLETIONS_MAX = 1024
-# Re-report unchanged non-zero counts this often: the hub forgets silent routers after 3 s.
-REFRESH_S = 1.0
+# Re-report unchanged non-zero counts this often: the hub forgets silent routers after
+# `telemetry_hub.STALE_AFTER_S`.
+REPORT_REFRESH_S = STALE_AFTER_S / 3
 T = TypeVar("T")
 logger = logging.getLogger("ray.serve")
 
@@ -190,7 +193,7 @@ class RoutedReporter:
         with contextlib.suppress(Exception):  # the hub may be restarting; next report retries
             self.hub.report_routed.remote(self.router_id, counts)  # result never awaited
         if counts and refresh:
-            self._schedule(REFRESH_S)
+            self._schedule(REPORT_REFRESH_S)
 
 
 class ClassGatheringRouter(RequestRouter):

@@ -24,7 +24,7 @@ STALE_AFTER_S = 3.0
 PRIOR_DECAY = 0.8
 # Fleet-wide summaries (per-class acceptance) and expiry are refreshed at most this
 # often: they move slowly, and a large fleet pushes often (512 replicas: 1000 pushes a second).
-REFRESH_S = 0.25
+SUMMARY_REFRESH_S = 0.25
 
 
 class ClusterState:
@@ -32,7 +32,7 @@ class ClusterState:
 
     A push costs O(K), not O(replicas): the acceptance prior is kept as running fleet totals
     of the replicas' decayed per-position counts, and fleet-wide summaries are refreshed at
-    most every `REFRESH_S`."""
+    most every `SUMMARY_REFRESH_S`."""
 
     def __init__(self, stale_after_s: float = STALE_AFTER_S):
         self.stale_after_s = stale_after_s
@@ -90,8 +90,8 @@ class ClusterState:
 
     def refresh(self, now: float) -> None:
         """Expire silent replicas and routers, and recompute the fleet-wide summaries (at
-        most every `REFRESH_S`)."""
-        if now - self._refreshed_at < REFRESH_S:
+        most every `SUMMARY_REFRESH_S`)."""
+        if now - self._refreshed_at < SUMMARY_REFRESH_S:
             return
         self._refreshed_at = now
         self.expire(now)

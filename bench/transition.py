@@ -230,9 +230,14 @@ async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
     tracker = asyncio.create_task(track_tiers(client, stop, origin, timeline))
     mode_started = time.perf_counter() - origin
     results, phase_started = [], []
-    for i, phase in enumerate(phases):
-        phase_started.append(time.perf_counter() - origin)
-        results.append(await run_phase(client, phase, seed_base=100 * i))
+    try:
+        for i, phase in enumerate(phases):
+            phase_started.append(time.perf_counter() - origin)
+            results.append(await run_phase(client, phase, seed_base=100 * i))
+    except BaseException:  # the app went away: the tracker must not go on polling it
+        tracker.cancel()
+        await asyncio.gather(tracker, return_exceptions=True)
+        raise
     stop.set()
     await tracker
     switches = sum(r["switch_count"] for r in await client.replicas()) - switches_before

@@ -193,16 +193,8 @@ class _Recorder:
                         samples.append(_sample(point))
         return out
 
-    def render_prometheus(self) -> str:
-        from observability.exposition import render_prometheus
-
-        return render_prometheus(self.snapshot())
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        """Push to OTLP now (when exporting); the pull reader needs no flush."""
-        return self._provider.force_flush(timeout_millis)
-
     def shutdown(self) -> None:
+        """Flush and stop the OTLP exporter's thread, when exporting."""
         self._provider.shutdown()
 
 

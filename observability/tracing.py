@@ -19,8 +19,7 @@ provider is private to this module; the global one is left alone (Ray Serve may 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
@@ -140,13 +139,12 @@ def start_ingress_span(route: str, headers: Mapping[str, str] | None, *, request
 
 
 def start_replica_span(carrier: Mapping[str, str] | None, *, request_id: str, replica_id: str,
-                       model: str | None = None, k_start: int | None = None,
-                       prompt: str | None = None,
-                       name: str = "specserve.replica.generate") -> Span:
-    """The replica's span for one request, child of the ingress span carried in `carrier`."""
-    span = _start_server_span(name, carrier)
+                       model: str | None = None, k_start: int | None = None) -> Span:
+    """The replica's span for one request, child of the ingress span carried in `carrier`
+    (the ingress span holds the prompt, when prompts are recorded)."""
+    span = _start_server_span("specserve.replica.generate", carrier)
     if span.is_recording():
-        _set_common(span, request_id, model, prompt)
+        _set_common(span, request_id, model, None)
         span.set_attribute("specserve.replica", replica_id)
         if k_start is not None:
             span.set_attribute("specserve.spec.k_start", k_start)
@@ -202,34 +200,6 @@ def finish_span(span: Span, *, error: BaseException | None = None,
             span.record_exception(error)
             span.set_status(Status(StatusCode.ERROR, type(error).__name__))
     span.end()
-
-
-@contextmanager
-def ingress_span(route: str, headers: Mapping[str, str] | None, *, request_id: str,
-                 model: str | None = None, prompt: str | None = None) -> Iterator[Span]:
-    """`start_ingress_span` ... `finish_span` around a block (non-streaming handlers)."""
-    with _finished(start_ingress_span(route, headers, request_id=request_id, model=model,
-                                      prompt=prompt)) as span:
-        yield span
-
-
-@contextmanager
-def replica_span(carrier: Mapping[str, str] | None, *, request_id: str, replica_id: str,
-                 model: str | None = None, k_start: int | None = None) -> Iterator[Span]:
-    with _finished(start_replica_span(carrier, request_id=request_id, replica_id=replica_id,
-                                      model=model, k_start=k_start)) as span:
-        yield span
-
-
-@contextmanager
-def _finished(span: Span) -> Iterator[Span]:
-    """`span` around a block, finished when it ends (with the error, when it raised)."""
-    try:
-        yield span
-    except BaseException as exc:
-        finish_span(span, error=exc)
-        raise
-    finish_span(span)
 
 
 def _switch_attributes(change: TierSwitch, decision: Decision | None

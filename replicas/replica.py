@@ -4,7 +4,7 @@ One instance per Serve replica. Requests stream through `generate`; a background
 engine steps every `TICK_S`, feeds the control loop (which may switch tier), records metrics,
 and every telemetry period pushes stats to the telemetry hub and takes back the cluster view.
 `reconfigure` (Serve's user_config, or a broadcast from the ingress's admin route) swaps the
-policy and the candidate tiers without touching the engine.
+policy and the candidate tiers, and sets the stream interval, without touching the engine.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from replicas.engines.base import (
 )
 from replicas.engines.factory import build_engine
 from replicas.engines.spec import EngineSpec
+from replicas.runtime_change import check_change
 from replicas.tier_pool import TierPool, TierSwitch, validate_candidates
 
 # Serve's logger: lines land in the replica's log file with Serve's request context, and the
@@ -94,6 +95,7 @@ class EngineReplica:
         self._tokenizer = await asyncio.to_thread(_load_tokenizer, spec.model)
         # Run-time (admin) changes carry `issued_at`; the newest one applied so far.
         self._applied_issued_at = 0.0
+        self._config_lock = asyncio.Lock()
         self._serve_configs_seen = 0
         self._request_class: dict[str, str] = {}
         self._classes = ClassAcceptance()
@@ -248,7 +250,9 @@ class EngineReplica:
                 return  # the previous exchange is still in flight
             try:
                 view = self._hub_call.result()
-            except Exception:  # hub restarting or gone: keep the local signals
+            except Exception as error:  # hub restarting or gone: keep the local signals
+                logger.warning("replica %s lost the telemetry hub (%r); deciding on local "
+                               "signals until it is back", self.replica_id, error)
                 self.cluster, self._hub, view = None, None, None
             self._hub_call = None
             if view is not None:
@@ -256,7 +260,8 @@ class EngineReplica:
         if self._hub is None:
             try:  # a blocking name lookup: keep it off this event loop
                 self._hub = await asyncio.to_thread(serve.get_deployment_actor, HUB_ACTOR)
-            except Exception:
+            except Exception as error:  # not up yet, or restarting: tried again next period
+                logger.debug("replica %s: no telemetry hub yet (%r)", self.replica_id, error)
                 return
         accepted, drafted = self._window
         self._window = ([0] * len(accepted), [0] * len(drafted))
@@ -281,15 +286,14 @@ class EngineReplica:
         self._classes.fleet = view.get("class_acceptance") or {}
         self._classes.fleet_fresh = view.get("class_fresh") or {}
         override = view.get("policy_override")
-        if override and override["issued_at"] > self._applied_issued_at:
-            # A fleet-wide change made while this replica was away (or before it started).
-            await self._apply_config(override)
-            self._applied_issued_at = override["issued_at"]
+        if override:  # a fleet-wide change made while this replica was away (or before it started)
+            await self._apply_in_order(override, override["issued_at"])
 
     # ---- Serve hooks --------------------------------------------------------------------------
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """Change policy and/or candidate tiers at run time: no restart, no engine rebuild.
+        """Change policy, candidate tiers and/or stream interval at run time: no restart, no
+        engine rebuild.
 
         Called by Serve with the deployment's `user_config` (at start and on every redeploy)
         and by the ingress's admin route (a broadcast carrying `issued_at`). Admin changes go
@@ -299,11 +303,9 @@ class EngineReplica:
         if not user_config:
             return
         issued_at = user_config.get("issued_at")
-        if issued_at is not None and issued_at <= self._applied_issued_at:
+        if not await self._apply_in_order(user_config, issued_at):
             return  # applied already (from the hub), or older than a change applied since
-        await self._apply_config(user_config)
         if issued_at is not None:
-            self._applied_issued_at = issued_at
             self._tell_hub("set_policy_override", user_config)
         else:
             if self._serve_configs_seen:  # a redeploy, not this replica's start-up config
@@ -312,6 +314,20 @@ class EngineReplica:
                 await self._first_view()
             self._serve_configs_seen += 1
 
+    async def _apply_in_order(self, user_config: dict[str, Any], issued_at: float | None
+                              ) -> bool:
+        """Apply a change unless it, or a newer run-time change, was applied already (a
+        deployment's user_config, without `issued_at`, always applies). One at a time: the
+        admin broadcast and the hub's view can bring the same change at once, and applying
+        one awaits the tier pool, where the other would start over it."""
+        async with self._config_lock:
+            if issued_at is not None and issued_at <= self._applied_issued_at:
+                return False
+            await self._apply_config(user_config)
+            if issued_at is not None:
+                self._applied_issued_at = issued_at
+            return True
+
     def _tell_hub(self, method: str, argument: Any) -> None:
         if self._hub is not None:
             with contextlib.suppress(Exception):  # best effort: the hub may be restarting
@@ -319,7 +335,9 @@ class EngineReplica:
 
     async def _apply_config(self, user_config: dict[str, Any]) -> None:
         # Everything is checked, and a new policy built, before anything changes: a bad
-        # interval, policy or tier list leaves the replica as it was.
+        # interval, policy or tier list, or a key no change carries, leaves the replica as it
+        # was.
+        check_change(user_config, self.engine.kmax)
         interval_s = stream_interval_s(user_config[STREAM_INTERVAL_KEY]) \
             if STREAM_INTERVAL_KEY in user_config else self.stream_interval_s
         if {"policy", "candidates"} & set(user_config):
@@ -430,4 +448,5 @@ class EngineReplica:
 
     async def __del__(self) -> None:
         self._control.cancel()
+        self.metrics.shutdown()
         await self.engine.shutdown()

@@ -14,6 +14,7 @@ request; vLLM's V1 runner uses piecewise graphs under dynamic SD, which cover an
 from __future__ import annotations
 
 import asyncio
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,8 +25,13 @@ from replicas.engines.base import Engine
 
 def validate_candidates(candidates: Sequence[int], kmax: int, initial_k: int | None = None
                         ) -> tuple[int, ...]:
-    """Candidates must be sorted, unique, >= 0 and <= the engine's kmax; `initial_k`, when
-    given, one of them."""
+    """Candidates must be a list of integers, sorted, unique, >= 0 and <= the engine's kmax;
+    `initial_k`, when given, one of them. Nothing is coerced: the admin route hands on a
+    client's JSON, where "0137" or [0, 1.9, "3"] is a mistake, not a tier list."""
+    if not isinstance(candidates, list | tuple) or not all(map(_is_integer, candidates)):
+        raise ValueError(f"candidate K values must be a list of integers, got {candidates!r}")
+    if initial_k is not None and not _is_integer(initial_k):
+        raise ValueError(f"initial_k must be an integer, got {initial_k!r}")
     values = tuple(int(k) for k in candidates)
     if not values:
         raise ValueError("candidate K list is empty")
@@ -40,6 +46,10 @@ def validate_candidates(candidates: Sequence[int], kmax: int, initial_k: int | N
     if initial_k is not None and initial_k not in values:
         raise ValueError(f"initial_k {initial_k} is not one of {list(values)}")
     return values
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

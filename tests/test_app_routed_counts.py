@@ -45,7 +45,7 @@ class _Recorder:
 
 def test_reporter_rate_limits_sends_the_latest_counts_and_refreshes(monkeypatch):
     monkeypatch.setattr(router, "REPORT_S", 0.05)
-    monkeypatch.setattr(router, "REFRESH_S", 0.2)
+    monkeypatch.setattr(router, "REPORT_REFRESH_S", 0.2)
 
     async def scenario() -> list[dict[str, int]]:
         replica = _ReplicaID("r1")

@@ -716,7 +716,9 @@ def test_control_loop_sends_a_policys_caps_and_lifts_them_for_a_policy_without()
 
 
 @pytest.mark.parametrize(("candidates", "initial_k"), [
-    ((0, 1), 3), ((0, 99), None), ((3, 1), None), ((), None)])
+    ((0, 1), 3), ((0, 99), None), ((3, 1), None), ((), None),
+    # Not coerced: a client's JSON mistakes, not tier lists.
+    ("0137", None), ((0, 1.9, "3"), None), ((0, True), None), ((0, 1), True)])
 def test_a_bad_candidate_change_leaves_the_pool_as_it_was(candidates, initial_k):
     engine = SimulatedEngine(PRESETS["cpu-demo"], kmax=15)
     pool = TierPool(engine, (0, 1, 3, 7, 15), initial_k=7)
@@ -795,6 +797,35 @@ def test_a_static_k_outside_the_tiers_is_refused_not_rounded(change, bare_replic
         asyncio.run(bare_replica._apply_config(change))
     assert (bare_replica.pool.candidates, bare_replica.pool.active_k) == ((0, 1, 3, 7, 15), 7)
     assert bare_replica.loop.policy.k == 7
+
+
+def test_one_change_brought_twice_at_once_is_applied_once(bare_replica, monkeypatch):
+    """The admin broadcast and the hub's view can bring the same run-time change together,
+    and applying it awaits the tier pool: the second must not start over the first (its
+    policy rebuilt twice), and an older change that arrives late must not undo a newer."""
+    replica = bare_replica
+    switching = replica.engine.set_k
+
+    async def slow_set_k(k: int) -> None:
+        await asyncio.sleep(0.01)  # the pool's switch yields, as a real engine's does
+        await switching(k)
+
+    monkeypatch.setattr(replica.engine, "set_k", slow_set_k)
+    built: list[object] = []
+    monkeypatch.setattr(replica.loop, "replace_policy",
+                        lambda policy, replace=replica.loop.replace_policy:
+                        (built.append(policy), replace(policy)))
+    newer = {"policy": {"name": "static", "k": 3}, "issued_at": 20.0}
+    older = {"policy": {"name": "static", "k": 15}, "issued_at": 10.0}
+
+    async def scenario() -> list[bool]:
+        replica._applied_issued_at, replica._config_lock = 0.0, asyncio.Lock()
+        return list(await asyncio.gather(replica._apply_in_order(newer, 20.0),
+                                         replica._apply_in_order(newer, 20.0),
+                                         replica._apply_in_order(older, 10.0)))
+
+    assert asyncio.run(scenario()) == [True, False, False]
+    assert len(built) == 1 and replica.pool.active_k == 3
 
 
 def test_goodput_sent_without_a_profile_takes_the_one_the_replica_was_given(bare_replica):

@@ -99,3 +99,17 @@ def test_a_change_that_fails_on_some_replicas_only_is_a_server_fault():
     with pytest.raises(APIError) as raised:
         asyncio.run(front.set_policy(http_request({"policy": {"name": "static", "k": 3}})))
     assert raised.value.status == 500 and "1 of 2" in raised.value.message
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"policy": {"name": "ema"}, "candidate": [0, 1]}, "unknown keys ['candidate']"),
+    ({"policy": {"name": "ema"}, "initial_k": 1}, "initial_k goes with candidates"),
+    ({"candidates": "0137"}, "a list of integers"),
+    ({"candidates": [0, 1.5, 3]}, "a list of integers"),
+])
+def test_a_change_with_a_key_or_value_no_replica_would_take_is_a_400_at_once(change, reason):
+    """A typo'd key was a 200 that changed nothing; a string of digits became a tier list."""
+    front = bare_ingress(Replicas([AssertionError("no replica may be called")]))
+    with pytest.raises(APIError) as raised:
+        asyncio.run(front.set_policy(http_request(change)))
+    assert raised.value.status == 400 and reason in raised.value.message

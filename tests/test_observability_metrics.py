@@ -61,7 +61,7 @@ def replica() -> Iterator[ReplicaMetrics]:
 def test_counters_agree_with_the_steps(replica: ReplicaMetrics) -> None:
     replica.record_steps(STEPS)
     replica.set_effective_concurrency(5)
-    fam = _families(replica.render_prometheus())
+    fam = _families(render_prometheus(replica.snapshot()))
 
     drafted = _value(fam, "specserve_spec_draft_tokens_total", replica="r0")
     accepted = _value(fam, "specserve_spec_accepted_tokens_total", replica="r0")
@@ -97,7 +97,7 @@ def test_every_replica_series_carries_the_replica_label(replica: ReplicaMetrics)
     replica.record_switch_lag_steps(2)
     replica.record_decision_seconds(0.0002)
     replica.set_effective_concurrency(3)
-    text = replica.render_prometheus()
+    text = render_prometheus(replica.snapshot())
     names = set()
     for family in text_string_to_metric_families(text):
         names.add(family.name)
@@ -112,9 +112,9 @@ def test_switches_counted_once_per_switch(replica: ReplicaMetrics) -> None:
     replica.record_switch(TierSwitch(3, 1, 0.001))
     replica.record_switch(TierSwitch(1, 3, 0.001))
     replica.record_switch(TierSwitch(3, 1, 0.002))
-    fam = _families(replica.render_prometheus())
+    fam = _families(render_prometheus(replica.snapshot()))
     # Reading twice must not count again (collection is not recording).
-    fam = _families(replica.render_prometheus())
+    fam = _families(render_prometheus(replica.snapshot()))
     name = "specserve_spec_tier_switches_total"
     assert _value(fam, name, replica="r0", from_k="3", to_k="1") == 2
     assert _value(fam, name, replica="r0", from_k="1", to_k="3") == 1
@@ -137,7 +137,7 @@ def test_wasted_ratio_window_slides() -> None:
         assert metrics.wasted_draft_ratio() is None
         assert "specserve_spec_wasted_draft_ratio" not in metrics.snapshot()
         # Lifetime counters are unaffected by the window.
-        fam = _families(metrics.render_prometheus())
+        fam = _families(render_prometheus(metrics.snapshot()))
         assert _value(fam, "specserve_spec_draft_tokens_total", replica="r0") == 12
     finally:
         metrics.shutdown()

@@ -33,7 +33,7 @@ def _simulate_request(error: BaseException | None = None) -> None:
     assert set(carrier) == {"traceparent"}
     active = tracing.ActiveSpans()
     replica = tracing.start_replica_span(dict(carrier), request_id="req-1", replica_id="r0",
-                                         model="demo", k_start=3, prompt="secret prompt")
+                                         model="demo", k_start=3)
     active.add(replica)
     active.record_tier_switch(
         TierSwitch(from_k=3, to_k=1, seconds=0.002),
@@ -89,9 +89,10 @@ def test_tier_switch_is_a_span_event_with_its_signals(spans: InMemorySpanExporte
 def test_a_switch_without_a_decision_records_the_tiers_only(spans: InMemorySpanExporter
                                                             ) -> None:
     active = tracing.ActiveSpans()
-    with tracing.replica_span({}, request_id="r", replica_id="r1", k_start=7) as span:
-        active.add(span)
-        active.record_tier_switch(TierSwitch(7, 0, 0.001))
+    span = tracing.start_replica_span({}, request_id="r", replica_id="r1", k_start=7)
+    active.add(span)
+    active.record_tier_switch(TierSwitch(7, 0, 0.001))
+    tracing.finish_span(span)
     tracing.force_flush_tracing()
     (finished,) = spans.get_finished_spans()
     assert finished.parent is None  # no carrier: a root span
@@ -114,8 +115,8 @@ def test_prompt_recorded_only_when_enabled() -> None:
     exporter = InMemorySpanExporter()
     tracing.configure_tracing("test", exporter=exporter, record_prompts=True, force=True)
     try:
-        with tracing.ingress_span("POST /x", None, request_id="r", prompt="hello"):
-            pass
+        tracing.finish_span(tracing.start_ingress_span("POST /x", None, request_id="r",
+                                                       prompt="hello"))
         tracing.force_flush_tracing()
         (span,) = exporter.get_finished_spans()
         assert span.attributes["gen_ai.prompt"] == "hello"
@@ -159,12 +160,3 @@ def test_not_configured_is_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
     # Idempotent: a second call without force keeps the first outcome.
     assert tracing.configure_tracing("other") is False
 
-
-def test_span_context_managers_mark_errors(spans: InMemorySpanExporter) -> None:
-    with pytest.raises(RuntimeError), tracing.ingress_span("POST /x", None, request_id="r"), \
-            tracing.replica_span({}, request_id="r", replica_id="r1"):
-        raise RuntimeError("engine died")
-    tracing.force_flush_tracing()
-    finished = spans.get_finished_spans()
-    assert len(finished) == 2
-    assert all(s.status.status_code is StatusCode.ERROR for s in finished)

@@ -7,7 +7,8 @@ from replicas.engines.spec import EngineSpec
 
 
 def build_engine(spec: EngineSpec, replica_rank: int = 0) -> Engine:
-    """`replica_rank` lets CPU engines pin their threads to a core of their own."""
+    """`replica_rank` lets CPU engines pin their threads to a core of their own (and gives
+    each simulated replica its own random stream)."""
     if spec.engine == "vllm":
         from replicas.engines.vllm_engine import VllmEngine
 
@@ -18,4 +19,4 @@ def build_engine(spec: EngineSpec, replica_rank: int = 0) -> Engine:
         return SglangEngine(spec, replica_rank=replica_rank)
     from replicas.engines.sim_engine import SimulatedEngine
 
-    return SimulatedEngine.from_spec(spec)
+    return SimulatedEngine.from_spec(spec, replica_rank=replica_rank)

@@ -69,7 +69,8 @@ class _SimRequest:
     """Tokens so far: kept current for streamed requests, set when it finishes for the others
     (virtual-time harnesses read it then)."""
     queue: asyncio.Queue | None = None
-    """Where `generate` streams from: chunks, then `LOOP_STOPPED` if the step loop ends."""
+    """Where `generate` streams from: chunks, then `ABORTED` if the request is aborted, or
+    `LOOP_STOPPED` if the step loop ends."""
     done: bool = False
     aborted: bool = False
     slot: int = -1
@@ -128,12 +129,15 @@ class SimulatedEngine:
         self._finished = FinishedWindows()
 
     @classmethod
-    def from_spec(cls, spec: EngineSpec) -> SimulatedEngine:
+    def from_spec(cls, spec: EngineSpec, replica_rank: int = 0) -> SimulatedEngine:
+        """Seeded by the spec's seed and the replica's rank: each replica of an app draws its
+        own acceptance, and a run with the same seed draws the same again."""
         if spec.sim_preset not in PRESETS:
             raise ValueError(f"unknown simulator preset {spec.sim_preset!r}; "
                              f"choose one of {', '.join(PRESETS)}")
         return cls(PRESETS[spec.sim_preset], kmax=spec.kmax, max_num_seqs=spec.max_num_seqs,
-                   max_model_len=spec.max_model_len, time_scale=spec.sim_time_scale)
+                   max_model_len=spec.max_model_len, time_scale=spec.sim_time_scale,
+                   seed=(spec.seed, replica_rank))
 
     async def start(self) -> None:
         self._loop = asyncio.create_task(self._run())
