@@ -47,4 +47,6 @@ def reaching(histogram: np.ndarray) -> np.ndarray:
     """From counts of values 0..width along the last axis, how many values are at least k + 1
     for k < width (of drafts offered: steps that drafted position k; of drafts accepted:
     steps that landed it)."""
-    return histogram[..., :0:-1].cumsum(axis=-1)[..., ::-1]
+    # np.add.accumulate, not the cumsum method: the same sums, with less call overhead (the
+    # simulator engine counts two small histograms a step).
+    return np.add.accumulate(histogram[..., :0:-1], axis=-1)[..., ::-1]
