@@ -68,9 +68,11 @@ class RequestWindows:
 
     def __post_init__(self) -> None:
         rows = len(self.request_ids)
+        # The lengths checked from a list: on these few rows numpy's per-call overhead costs
+        # more than the check (the simulator builds windows at every step that finishes one).
         if self.accepted.ndim != 2 or self.accepted.shape != self.drafted.shape or \
                 self.accepted.shape[0] != rows or self.lengths.shape != (rows,) or \
-                not ((self.lengths >= 0) & (self.lengths <= self.accepted.shape[1])).all():
+                not all(0 <= n <= self.accepted.shape[1] for n in self.lengths.tolist()):
             raise ValueError(f"{rows} requests with accepted {self.accepted.shape}, drafted "
                              f"{self.drafted.shape} and lengths {self.lengths.tolist()}")
 
