@@ -9,10 +9,10 @@ open slots per position); `goodput` scores each tier with them.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -48,8 +48,8 @@ class StepCostModel:
 
     def __init__(self, decay: float):
         self.max_weight = math.inf if decay >= 1 else 1 / (1 - decay)
-        self._points: dict[int, dict[int, _CostPoint]] = {}  # depth -> batch -> point
-        self._profile: dict[int, dict[int, float]] = {}  # depth -> batch -> profiled seconds
+        self._points: _CostTable[_CostPoint] = _CostTable()
+        self._profile: _CostTable[float] = _CostTable()  # profiled seconds
         # (batch, depth) -> prediction
         self._profiled: dict[tuple[int, int], float | None] = {}
         self.scale, self._scale_weight = 1.0, self.PRIOR_STEPS
@@ -57,9 +57,9 @@ class StepCostModel:
 
     def seed(self, cost: StepCost) -> None:
         """A profiled point, worth `PRIOR_STEPS` measured steps."""
-        self._points.setdefault(cost.depth, {})[cost.batch] = _CostPoint(
-            cost.seconds, self.PRIOR_STEPS, measured=False)
-        self._profile.setdefault(cost.depth, {})[cost.batch] = cost.seconds
+        self._points.set(cost.depth, cost.batch, _CostPoint(cost.seconds, self.PRIOR_STEPS,
+                                                            measured=False))
+        self._profile.set(cost.depth, cost.batch, cost.seconds)
         self._profiled.clear()
 
     def observe(self, cost: StepCost) -> None:
@@ -69,12 +69,12 @@ class StepCostModel:
         if profiled is not None:
             self._scale_weight = min(self._scale_weight + 1, self.max_weight)
             self.scale += (cost.seconds / profiled - self.scale) / self._scale_weight
-        point = self._points.get(cost.depth, {}).get(cost.batch)
+        point = self._points.get(cost.depth, cost.batch)
         if point is None or not point.measured:
             guess = self.predict(cost.batch, cost.depth)
             point = _CostPoint(cost.seconds, 0.0) if guess is None else \
                 _CostPoint(guess, self.PRIOR_STEPS)
-            self._points.setdefault(cost.depth, {})[cost.batch] = point
+            self._points.set(cost.depth, cost.batch, point)
         point.weight = min(point.weight + 1, self.max_weight)
         point.seconds += (cost.seconds - point.seconds) / point.weight
         point.steps += 1
@@ -88,7 +88,7 @@ class StepCostModel:
         the profile it was given."""
         rows = []
         # Copies: the admin route may read this while the control loop observes steps.
-        for depth, by_batch in list(self._points.items()):
+        for depth, by_batch in list(self._points.points.items()):
             for batch, point in list(by_batch.items()):
                 if not point.measured or point.steps >= min_steps:
                     rows.append(StepCost(batch, depth, self._value(point)))
@@ -115,6 +115,29 @@ class StepCostModel:
         return self.predict_row(batch, (depth,)).get(depth)
 
 
+class _CostTable(Generic[P]):
+    """Depth -> batch -> point, with the depths and each depth's batch sizes kept in order:
+    every prediction reads them sorted, and points are added far less often than read."""
+
+    def __init__(self) -> None:
+        self.points: dict[int, dict[int, P]] = {}
+        self.depths: list[int] = []
+        self.batches: dict[int, list[int]] = {}
+        """Per depth, its batch sizes."""
+
+    def get(self, depth: int, batch: int) -> P | None:
+        return self.points.get(depth, {}).get(batch)
+
+    def set(self, depth: int, batch: int, point: P) -> None:
+        if depth not in self.points:
+            self.points[depth] = {}
+            self.batches[depth] = []
+            insort(self.depths, depth)
+        if batch not in self.points[depth]:
+            insort(self.batches[depth], batch)
+        self.points[depth][batch] = point
+
+
 @dataclass(slots=True)
 class _CostPoint:
     seconds: float
@@ -126,7 +149,7 @@ class _CostPoint:
     """Steps observed at the point (its weight also counts the prior it started from)."""
 
 
-def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], batch: int,
+def _predict_row(table: _CostTable[P], value: Callable[[P], float], batch: int,
                  depths: tuple[float, ...]) -> dict[float, float]:
     """Per depth in `depths`, the cost at `batch` from a table of depth -> batch -> point:
     piecewise-linear in batch per known depth, made non-decreasing in depth, then
@@ -137,8 +160,7 @@ def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], ba
     batch size, and, costs being made non-decreasing in depth, lift every deeper tier with it
     (capped steps verify depths between the tiers: one such step at batch 64 priced K=15 at
     batch 1 at 82 ms against its measured 12)."""
-    known = sorted(table)
-    batches = {depth: sorted(table[depth]) for depth in known}
+    known, batches = table.depths, table.batches
     bracketing = [d for d in known if batches[d][0] <= batch <= batches[d][-1]]
     if len(bracketing) >= 2:
         known = bracketing
@@ -146,7 +168,7 @@ def _predict_row(table: dict[int, dict[int, P]], value: Callable[[P], float], ba
         return {}
     at_batch, floor = {}, 0.0
     for depth in known:
-        points = table[depth]
+        points = table.points[depth]
         here = value(points[batch]) if batch in points else \
             _interpolate(batch, batches[depth], lambda b, points=points: value(points[b]))
         floor = max(floor, here)
