@@ -62,18 +62,21 @@ class AcceptanceTable:
                                  for a in self.classes]])
 
 
-def draw_runs(rng: np.random.Generator, k: int, params: np.ndarray) -> np.ndarray:
+def draw_runs(rng: np.random.Generator, k: int, params: np.ndarray,
+              depth: np.ndarray | None = None) -> np.ndarray:
     """Drafts accepted before the first miss, out of k, for one sequence-step of each column
     of `params` (`AcceptanceTable.params` of its class): one draw picks the regime, one more
-    the run, by inverting P(run >= j) = rate^j."""
+    the run, by inverting P(run >= j) = rate^j. `depth`, per column: its most drafts when
+    fewer than k (a cap; acceptance is a prefix, so the run drawn at k is cut there)."""
     if k == 0:
         return np.zeros(params.shape[1], np.int64)
     copy_share, inv_log_copy, inv_log_free, max_run = params
     draws = rng.random((2, params.shape[1]))
     inv_log = np.where(draws[0] < copy_share, inv_log_copy, inv_log_free)
     # 1 - draw lies in (0, 1]; a rate of 1 never misses (a NaN from 0 * -inf too: fmin
-    # drops it for k).
-    return np.fmin(np.log1p(-draws[1]) * inv_log, np.minimum(max_run, k)).astype(np.int64)
+    # drops it for the limit). Cut before the cast to integers: the same runs as after it.
+    limit = np.minimum(max_run, k if depth is None else depth)
+    return np.fmin(np.log1p(-draws[1]) * inv_log, limit).astype(np.int64)
 
 
 def _inverse_log(rate: float) -> float:
