@@ -44,7 +44,7 @@ from observability import tracing
 from observability.exposition import CONTENT_TYPE, render_prometheus
 from observability.metrics import RequestMetrics
 from replicas.engines.base import SAMPLING_CONTROLS
-from replicas.runtime_change import check_change
+from replicas.runtime_change import parse_change
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
 MAX_BODY_BYTES = 1 << 20
@@ -573,7 +573,7 @@ class Ingress:
         self._authorize(request)
         user_config = await self._json(request)
         try:
-            check_change(user_config, self.kmax)
+            parse_change(user_config, self.kmax)  # as every replica will parse it
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error)) from error
         user_config["issued_at"] = time.time()  # orders run-time changes fleet-wide

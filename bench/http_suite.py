@@ -27,6 +27,7 @@ import httpx
 import psutil
 import yaml
 
+from bench.cli import positive
 from bench.foreign_cpu import ForeignCpu, ForeignCpuReport
 from bench.load import is_loopback
 from bench.transition_report import report
@@ -171,7 +172,7 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--workloads", default="transition,sweep")
     parser.add_argument("--startup-timeout", type=float, default=600)
-    parser.add_argument("--rounds", type=int, default=ROUNDS,
+    parser.add_argument("--rounds", type=positive, default=ROUNDS,
                         help="rounds per workload (default: the committed results' count)")
     parser.add_argument("--name", default=None, type=result_name,
                         help="suffix of the result files, for a config other than the default")

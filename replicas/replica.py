@@ -25,7 +25,7 @@ from observability.metrics import ReplicaMetrics
 from policies.class_acceptance import DEFAULT_CLASS, ClassAcceptance, ClassPrior, class_counts
 from policies.registry import build_policy, parse_policy_config
 from policies.signals import ClusterView, Decision
-from replicas.chunks import STREAM_INTERVAL_KEY, Chunk, coalesce, stream_interval_s
+from replicas.chunks import Chunk, coalesce, stream_interval_s
 from replicas.control_loop import ControlLoop, add_steps_per_position
 from replicas.engines.base import (
     SAMPLING_CONTROLS,
@@ -35,8 +35,8 @@ from replicas.engines.base import (
 )
 from replicas.engines.factory import build_engine
 from replicas.engines.spec import EngineSpec
-from replicas.runtime_change import check_change
-from replicas.tier_pool import TierPool, TierSwitch, validate_candidates
+from replicas.runtime_change import RuntimeChange, parse_change
+from replicas.tier_pool import TierPool, TierSwitch
 
 # Serve's logger: lines land in the replica's log file with Serve's request context, and the
 # deployment's `logging_config` sets their level (DEBUG shows every tier decision).
@@ -337,37 +337,34 @@ class EngineReplica:
         # Everything is checked, and a new policy built, before anything changes: a bad
         # interval, policy or tier list, or a key no change carries, leaves the replica as it
         # was.
-        check_change(user_config, self.engine.kmax)
-        interval_s = stream_interval_s(user_config[STREAM_INTERVAL_KEY]) \
-            if STREAM_INTERVAL_KEY in user_config else self.stream_interval_s
-        if {"policy", "candidates"} & set(user_config):
-            await self._apply_policy_change(user_config)
-        self.stream_interval_s = interval_s  # streams started before keep theirs
+        change = parse_change(user_config, self.engine.kmax)
+        if change.policy is not None or change.candidates is not None:
+            await self._apply_policy_change(change)
+        if change.stream_interval_s is not None:  # streams started before keep theirs
+            self.stream_interval_s = change.stream_interval_s
         logger.info("replica %s reconfigured: %s", self.replica_id, user_config)
 
-    async def _apply_policy_change(self, user_config: dict[str, Any]) -> None:
+    async def _apply_policy_change(self, change: RuntimeChange) -> None:
         """New candidate tiers and/or a new policy, the policy rebuilt over the tiers."""
-        candidates = validate_candidates(user_config["candidates"], self.engine.kmax,
-                                         user_config.get("initial_k")) \
-            if "candidates" in user_config else self.pool.candidates
-        config = self._with_known_profile(
-            parse_policy_config(user_config.get("policy", self.policy_config)))
+        candidates = self.pool.candidates if change.candidates is None else change.candidates
+        config = self._with_known_profile(parse_policy_config(self.policy_config)
+                                          if change.policy is None else change.policy)
         # A policy chooses among the tiers it was built with: new candidates rebuild it
         # (its learned state starts over, as on a change of policy).
         policy = build_policy(config, candidates)
         self.loop.check_policy(policy)  # one this engine cannot serve is refused here
-        if "candidates" in user_config:
-            change = await self.pool.set_candidates(candidates, user_config.get("initial_k"))
+        if change.candidates is not None:
+            switch = await self.pool.set_candidates(candidates, change.initial_k)
             self.metrics.set_candidates(self.pool.candidates)
-            if change is not None:
-                self._note_switch(change, Decision(change.to_k, "candidate tiers changed"))
+            if switch is not None:
+                self._note_switch(switch, Decision(switch.to_k, "candidate tiers changed"))
         self.loop.replace_policy(policy)
         self.policy_config = config.model_dump()
         self._remember_profile(config)
         if config.name == "static":  # apply at once rather than at the next decision
-            change = await self.pool.switch(self.loop.policy.k)
-            if change is not None:
-                self._note_switch(change, Decision(change.to_k, "reconfigured to static"))
+            switch = await self.pool.switch(self.loop.policy.k)
+            if switch is not None:
+                self._note_switch(switch, Decision(switch.to_k, "reconfigured to static"))
 
     def _with_known_profile(self, config: Any) -> Any:
         """A `goodput` config sent without `profile` takes the last one this replica was
