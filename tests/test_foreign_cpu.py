@@ -46,6 +46,11 @@ def _orphan(tmp_path: Path, name: str, linger_s: float = 0) -> int:
                       f'{tmp_path / name}.done & echo $! > {pid_file}; sleep {linger_s}',
                       BURNER])
     _wait_for(pid_file)
+    # The shell creates the file before it writes the pid: wait for the whole line.
+    deadline = time.monotonic() + 20
+    while not pid_file.read_text().endswith("\n"):
+        assert time.monotonic() < deadline, f"{pid_file} never got its pid"
+        time.sleep(0.01)
     return int(pid_file.read_text())
 
 
