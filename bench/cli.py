@@ -21,6 +21,13 @@ def non_negative(text: str) -> int:
     return value
 
 
+def non_negative_number(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number at or above 0")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     value = float(text)
     if not 0 < value < float("inf"):

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.cli import check_output_dirs, non_negative_number, positive
 from bench.report import compare_to_statics, print_table, verdict
 from bench.workloads import sweep_shape
 from policies.class_acceptance import ClassAcceptance, ClassPrior, class_counts
@@ -112,8 +113,10 @@ class ModeResult:
 
 
 async def replay(mode: str, preset: str, phases: list[Phase], max_tokens: int,
-                 class_priors: bool = False) -> ModeResult:
-    engine = SimulatedEngine(PRESETS[preset], kmax=max(CANDIDATES), max_num_seqs=256)
+                 class_priors: bool = False, step_jitter: float = 0.0,
+                 step_drift: float = 0.0, seed: int = 0) -> ModeResult:
+    engine = SimulatedEngine(PRESETS[preset], kmax=max(CANDIDATES), max_num_seqs=256,
+                             seed=seed, step_jitter=step_jitter, step_drift=step_drift)
     pool = TierPool(engine, CANDIDATES, initial_k=3)
     await pool.apply_initial()
     classes, class_of = ClassAcceptance(), {}
@@ -164,6 +167,23 @@ async def replay(mode: str, preset: str, phases: list[Phase], max_tokens: int,
             result.timeline.append((clock, pool.active_k))
     result.switches = pool.switch_count
     return result
+
+
+def pooled(results: list[ModeResult]) -> ModeResult:
+    """Replays of one mode under several seeds as one: each phase's tokens, seconds and
+    sequence-steps summed (its tok/s the pooled rate), switches averaged, the first's
+    timeline."""
+    if len(results) == 1:
+        return results[0]
+    total = ModeResult(timeline=results[0].timeline,
+                       switches=round(sum(r.switches for r in results) / len(results)))
+    for result in results:
+        for name, phase in result.phases.items():
+            into = total.phases.setdefault(name, PhaseResult())
+            into.tokens += phase.tokens
+            into.seconds += phase.seconds
+            into.sequence_steps += phase.sequence_steps
+    return total
 
 
 def decision_time_us(preset: str, mode: str, repeats: int = 2000) -> float:
@@ -294,19 +314,36 @@ def main() -> None:
                         help="price requests by what their class (greedy or sampled, as the "
                              "app's ingress names them) showed before, as a replica of the app "
                              "does; results are saved with a _class_priors suffix")
+    parser.add_argument("--step-jitter", type=non_negative_number, default=0.0,
+                        help="log sd of each step's time about the cost model's, drawn afresh "
+                             "each step (a shared machine's scatter; about 0.36 over HTTP here)")
+    parser.add_argument("--step-drift", type=non_negative_number, default=0.0,
+                        help="log sd of a slow factor on every step's time (the machine's "
+                             "speed; about 0.14 here); with either, results are saved with a "
+                             "_scatter suffix")
+    parser.add_argument("--seeds", type=positive, default=1,
+                        help="replay each mode this many times (seeds 0..N-1) and pool them: "
+                             "a scattered machine makes one replay one draw")
     args = parser.parse_args()
+    check_output_dirs(parser, args.json, args.plot, args.markdown)
     phases = phases_for(args.workload, args.requests, args.concurrency)
     names = [p.name for p in phases]
-    results = {mode: asyncio.run(replay(mode, args.preset, phases, args.max_tokens,
-                                        args.class_priors))
-               for mode in (*STATIC, *ADAPTIVE)}
+    results = {mode: pooled([asyncio.run(replay(
+        mode, args.preset, phases, args.max_tokens, args.class_priors, args.step_jitter,
+        args.step_drift, seed)) for seed in range(args.seeds)])
+        for mode in (*STATIC, *ADAPTIVE)}
     modes = summarise(results, names)
     decision_us = {mode: decision_time_us(args.preset, mode) for mode in ADAPTIVE}
     text = report(modes, phases, decision_us, args.preset == "h20-llama8b-ngram")
+    scattered = args.step_jitter or args.step_drift
     print(f"SIMULATOR preset {args.preset}, workload {args.workload}"
-          f"{', class priors' if args.class_priors else ''}\n\n{text}")
+          f"{', class priors' if args.class_priors else ''}"
+          + (f", step times scattered (jitter {args.step_jitter}, drift {args.step_drift})"
+             if scattered else "")
+          + (f", {args.seeds} seeds pooled" if args.seeds > 1 else "") + f"\n\n{text}")
     stem = Path("bench/results") / (f"policy_replay_{args.preset}_{args.workload}"
-                                    + ("_class_priors" if args.class_priors else ""))
+                                    + ("_class_priors" if args.class_priors else "")
+                                    + ("_scatter" if scattered else ""))
     json_path, plot_path = args.json or stem.with_suffix(".json"), args.plot or \
         stem.with_suffix(".png")
     json_path.write_text(json.dumps({"preset": args.preset, "workload": args.workload,

@@ -20,6 +20,7 @@ from bench.policy_replay import (
     ModeResult,
     PhaseResult,
     phases_for,
+    pooled,
     replay,
     report,
     summarise,
@@ -189,3 +190,43 @@ def test_class_priors_bring_the_second_high_phase_up_at_once() -> None:
     ).phases.items()} for priors in (False, True))
     assert primed["high_2"] > 1.05 * plain["high_2"]
     assert primed["high_1"] == pytest.approx(plain["high_1"], rel=0.01)
+
+
+def test_step_jitter_spreads_step_times_and_leaves_the_acceptance_draws_alone() -> None:
+    """A machine's step times scatter about the cost model's: with `step_jitter` each step's
+    time is the model's times a mean-one log-normal factor, from a random stream of its own,
+    so the same seed lands the same drafts with or without it."""
+    preset = PRESETS["cpu-demo-draft"]
+
+    def run(jitter: float) -> tuple[list[float], list[int]]:
+        engine = SimulatedEngine(preset, kmax=7, max_num_seqs=8, max_model_len=8192,
+                                 seed=(3, 1), step_jitter=jitter)
+        asyncio.run(engine.set_k(3))
+        for i in range(8):
+            engine.submit(GenerationRequest(f"r{i}", prompt="p", max_tokens=4000,
+                                            request_class="high", seed=i))
+        engine.admit()
+        seconds = [engine.step() for _ in range(400)]
+        return seconds, [step.accepted_tokens for step in engine.drain_steps()]
+
+    steady, landed = run(0.0)
+    jittered, landed_jittered = run(0.3)
+    assert landed_jittered == landed
+    assert len(set(steady)) == 1  # the same batch and K: one modelled time
+    ratios = np.log(np.array(jittered) / steady[0])
+    assert ratios.std() == pytest.approx(0.3, rel=0.15)
+    assert np.mean(jittered) == pytest.approx(steady[0], rel=0.05)
+
+
+def test_replays_under_several_seeds_pool_into_one_rate_per_phase() -> None:
+    """A phase's pooled rate is its tokens over its seconds summed across the seeds (a long
+    replay's, not the mean of the rates); switches are averaged."""
+    def result(tokens: int, seconds: float, switches: int) -> ModeResult:
+        return ModeResult(phases={"low_1": PhaseResult(tokens, seconds, tokens)},
+                          timeline=[(seconds, 1)], switches=switches)
+
+    one, two = result(100, 1.0, 2), result(300, 1.0, 4)
+    both = pooled([one, two])
+    assert both.phases["low_1"].tokens / both.phases["low_1"].seconds == 200.0
+    assert both.switches == 3 and both.timeline == one.timeline
+    assert pooled([one]) is one
