@@ -239,7 +239,7 @@ class DraftFill:
     def share(self) -> float:
         """Of all the open slots, the share the drafter filled (1 until measured)."""
         slots = self.slots.sum()
-        return min(1.0, self.drafted.sum() / slots) if slots else 1.0
+        return min(1.0, float(self.drafted.sum() / slots)) if slots else 1.0
 
 
 def _padded(counts: Sequence[int], width: int) -> np.ndarray:

@@ -59,8 +59,9 @@ VOCAB = 4096
 JITTER_STREAM = 1
 # Per step, how much of the machine's slow speed factor carries over (`step_drift`): about 20
 # steps' memory. Over HTTP on this machine, 4-step windows of one tier and batch scattered by
-# 0.20-0.27 (log sd) about the policy's prediction, with a correlation of 0.1-0.4 from one
-# window to the next: a fresh part of about 0.36 and a slow one of about 0.14 a step.
+# 0.15-0.27 (log sd) about the policy's prediction, with a correlation of 0.1-0.6 from one
+# window to the next: a fresh part of about 0.35 and a slow one of about 0.15 a step
+# (`bench.step_scatter`).
 DRIFT_CORRELATION = 0.95
 
 
