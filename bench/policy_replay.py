@@ -316,10 +316,11 @@ def main() -> None:
                              "does; results are saved with a _class_priors suffix")
     parser.add_argument("--step-jitter", type=non_negative_number, default=0.0,
                         help="log sd of each step's time about the cost model's, drawn afresh "
-                             "each step (a shared machine's scatter; about 0.36 over HTTP here)")
+                             "each step (a shared machine's scatter: `bench.step_scatter` reads it "
+                             "from a running app's logs; about 0.35 here)")
     parser.add_argument("--step-drift", type=non_negative_number, default=0.0,
                         help="log sd of a slow factor on every step's time (the machine's "
-                             "speed; about 0.14 here); with either, results are saved with a "
+                             "speed; about 0.15 here); with either, results are saved with a "
                              "_scatter suffix")
     parser.add_argument("--seeds", type=positive, default=1,
                         help="replay each mode this many times (seeds 0..N-1) and pool them: "
