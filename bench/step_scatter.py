@@ -31,8 +31,8 @@ from bench.report import print_table
 from replicas.engines.sim_engine import DRIFT_CORRELATION
 
 DECISION = re.compile(r"-- decision K=(\d+) -> \d+: ")
-# The decision's inputs this reads, each a number in the logged dict.
-FIELDS = {name: re.compile(rf"'{name}': (?:np\.float64\()?([-+0-9.eE]+)")
+# The decision's inputs this reads, each a plain number in the logged dict.
+FIELDS = {name: re.compile(rf"'{name}': ([-+0-9.eE]+)")
           for name in ("batch", "step_ms_measured", "step_ms_current")}
 # A tier and batch with fewer windows than this says little about its scatter.
 MIN_WINDOWS = 20
