@@ -296,7 +296,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax_tp.bar(xs, [r["phases"][p] for p in phase_names], width, label=mode)
     ax_tp.set_xticks([j + 0.4 - width / 2 for j in range(len(phase_names))], phase_names)
     ax_tp.set(ylabel="tok/s", title="throughput per phase (median of rounds)")
-    ax_tp.legend(fontsize=7, ncol=len(modes))
+    # The legend in a band above the tallest bar: placed where matplotlib finds room, it hid
+    # the high phases' bars.
+    tallest = max((r["phases"][p] for r in modes.values() for p in phase_names), default=0)
+    ax_tp.set_ylim(0, 1.2 * tallest or 1)
+    ax_tp.legend(fontsize=7, ncol=len(modes), loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -364,7 +368,12 @@ def main() -> None:
     parser.add_argument("json", type=Path, nargs="+",
                         help="`bench.transition --json` files; several are pooled (`pool`)")
     parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="draw the run's plot again (one run: pooled rounds keep no "
+                             "tier timelines)")
     args = parser.parse_args()
+    if args.plot and len(args.json) > 1:
+        parser.error("--plot takes one run")
     runs = [json.loads(path.read_text()) for path in args.json]
     if len(runs) == 1:
         text = report(runs[0])
@@ -385,6 +394,8 @@ def main() -> None:
     print(text)
     if args.markdown:
         args.markdown.write_text(text + "\n")
+    if args.plot:
+        plot(runs[0], args.plot)
 
 
 if __name__ == "__main__":

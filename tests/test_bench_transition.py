@@ -189,6 +189,24 @@ def test_the_plot_shows_each_adaptive_mode_in_its_median_round(tmp_path: Path) -
     assert (tmp_path / "k.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_saved_run_is_drawn_again_from_its_json(tmp_path: Path) -> None:
+    """`python -m bench.transition_report run.json --plot out.png` redraws a run's plot (a
+    fix to the plot need not wait for the next run); pooled runs have no timelines to draw."""
+    modes = {"static1": combine([_round(300, 250, 0, 0)]),
+             "goodput": combine([_round(400, 200, 0, 3)])}
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"modes": modes, "phases": ["low_1", "high_1"], "rounds": 1}))
+    drawn = subprocess.run([sys.executable, "-m", "bench.transition_report", str(run),
+                            "--plot", str(tmp_path / "k.png")], capture_output=True, text=True)
+    assert drawn.returncode == 0, drawn.stderr
+    assert (tmp_path / "k.png").read_bytes()[:4] == b"\x89PNG"
+    refused = subprocess.run([sys.executable, "-m", "bench.transition_report", str(run),
+                              str(run), "--plot", str(tmp_path / "two.png")],
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "--plot takes one run" in refused.stderr
+    assert not (tmp_path / "two.png").exists()
+
+
 def test_a_subset_of_phases_runs_in_the_workloads_order() -> None:
     phases = sweep_phases(8)
     assert [p.name for p in select_phases(phases, ["c1_end", "c1"])] == ["c1", "c1_end"]
