@@ -44,8 +44,8 @@ lint: install
 # once would measure each other), and two `serve run`s would clash on the port and Ray.
 .NOTPARALLEL:
 
-# Every benchmark whose results the README shows, then its result tables regenerated from
-# bench/results/: simulator replays and the cluster simulation (minutes), the observability
+# Every benchmark whose results the README shows, then the must-shows table made from the
+# saved runs and the README's result tables regenerated from bench/results/: simulator replays and the cluster simulation (minutes), the observability
 # overhead (simulated serving, under a minute), the vLLM engine benchmark (minutes), and the
 # HTTP benchmarks against `serve run serve_config.yaml` and the draft-model config, each
 # started and stopped here (about 52 minutes on 2 cores for the default's with the streaming
@@ -54,6 +54,7 @@ lint: install
 # --kill-replica-at it kills a replica): a reliability check, not a result.
 bench: bench-replay bench-cluster bench-observability bench-engine bench-http \
 	bench-http-draft bench-stream
+	$(BIN)/python -m bench.must_shows
 	$(BIN)/python -m bench.readme_tables
 
 bench-replay: install

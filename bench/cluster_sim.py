@@ -207,7 +207,8 @@ def main() -> None:
             raise
     # First: whatever goes wrong in the report, the simulations are kept.
     args.json.write_text(json.dumps({"preset": PRESET, "slo_ttft_s": args.slo_ttft,
-                                     "slo_tpot_s": args.slo_tpot, "runs": runs}, indent=2))
+                                     "slo_tpot_s": args.slo_tpot, "jobs": args.jobs,
+                                     "runs": runs}, indent=2))
     complete = {n: r for n, r in runs.items() if "verdicts" in r}
     text = report(complete) if complete else ""
     print(f"\nSIMULATOR preset {PRESET}; SLO: TTFT <= {args.slo_ttft} s and TPOT <= "

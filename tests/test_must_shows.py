@@ -1,0 +1,123 @@
+"""The README's must-shows table (`bench.must_shows`): the committed table is what the saved
+runs give, and its verdicts follow the rules: the pooled interval decides a bar, against the
+hardest of the runs' best statics, and a latest run joins the pool once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import must_shows
+from bench.transition_report import combine
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = ["low", "high"]
+
+
+def a_round(throughput: float, phases: dict[str, float] | None = None) -> dict:
+    phases = phases or {phase: throughput for phase in PHASES}
+    return {"throughput": throughput, "latency_s": 1.0, "accept_len": 1.5, "switches": 0,
+            "errors": 0, "phases": phases, "phase_tokens": {p: 1000 for p in PHASES},
+            "phase_accept_len": {p: 1.5 for p in PHASES}, "timeline": [], "started_s": 0.0}
+
+
+def a_run(rounds: dict[str, list[dict]]) -> dict:
+    """A saved `bench.transition` run of these modes' rounds."""
+    return {"workload": "transition", "phases": PHASES, "max_tokens": 256,
+            "rounds": len(next(iter(rounds.values()))),
+            "modes": {mode: combine(each) for mode, each in rounds.items()}}
+
+
+def steady(base: float, ratios: list[float]) -> dict[str, list[dict]]:
+    """static1 at `base` tok/s every round, goodput at each ratio of it."""
+    return {"static1": [a_round(base) for _ in ratios],
+            "goodput": [a_round(base * r) for r in ratios]}
+
+
+def table_of(tmp_path: Path, runs: dict[str, dict], pooled: list[str], last: str) -> str:
+    for name, run in runs.items():
+        (tmp_path / name).write_text(json.dumps(run))
+    (tmp_path / "must_shows.json").write_text(json.dumps(
+        {"http": [{"bar": "transition", "last": last, "pooled": pooled}],
+         "cluster": "cluster.json"}))
+    (tmp_path / "cluster.json").write_text(json.dumps(a_cluster_run()))
+    return must_shows.render(tmp_path)
+
+
+def a_cluster_run() -> dict:
+    def fleet(gain: float, switches: float, wall_s: float) -> dict:
+        verdicts = {"cluster_vs_best_local": gain, "ema_switches_vs_cluster": switches,
+                    "ema_steady_switches_vs_cluster": switches}
+        return {"duration_s": 10.0, "verdicts": verdicts,
+                "modes": {"static3": {"wall_s": wall_s / 2}, "goodput_routed": {"wall_s": wall_s}}}
+
+    return {"runs": {"8": fleet(1.5, 6.0, 2.0), "512": fleet(1.02, 1.3, 75.0)}}
+
+
+def verdict_row(table: str, starts: str) -> list[str]:
+    row = next(line for line in table.splitlines() if line.startswith(f"| {starts}"))
+    return [cell.strip() for cell in row.strip("|").split("|")]
+
+
+def test_the_committed_table_is_what_the_saved_runs_give(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    committed = (must_shows.RESULTS / must_shows.OUTPUT).read_text()
+    assert must_shows.render() + "\n" == committed, "run `python -m bench.must_shows`"
+
+
+@pytest.mark.parametrize(("ratios", "verdict"), [
+    ([1.08, 1.12, 1.10, 1.09, 1.11, 1.10], "overall **met**"),
+    ([0.85, 0.88, 0.86, 0.87, 0.84, 0.86], "overall **missed**"),
+    ([0.90, 1.12, 0.95, 1.08, 0.92, 1.10], "overall **not resolved**"),
+])
+def test_the_pooled_interval_decides_the_overall_bar(tmp_path, ratios, verdict):
+    runs = {"a.json": a_run(steady(100.0, ratios[:3])), "b.json": a_run(steady(200.0, ratios[3:]))}
+    row = verdict_row(table_of(tmp_path, runs, ["a.json"], "b.json"), "transition: `goodput`")
+    assert row[3].startswith(verdict)
+    assert "2 runs, 6 rounds" in row[2]
+
+
+def test_a_phase_below_the_bar_is_named(tmp_path):
+    def rounds(base: float) -> dict[str, list[dict]]:
+        return {"static1": [a_round(base) for _ in range(3)],
+                "goodput": [a_round(base, {"low": base * r, "high": base * 1.2})
+                            for r in (0.70, 0.72, 0.71)]}
+
+    runs = {"a.json": a_run(rounds(100.0)), "b.json": a_run(rounds(120.0))}
+    row = verdict_row(table_of(tmp_path, runs, ["a.json", "b.json"], "b.json"),
+                      "transition: `goodput`")
+    assert row[3].endswith("per phase **missed (low)**")
+
+
+def test_the_hardest_of_the_runs_best_statics_is_taken(tmp_path):
+    # static1 is the best of run a, static3 of run b; goodput beats static1 by 20% in every
+    # round but only ties static3, so the bar is judged against static3.
+    def rounds(static1: float, static3: float) -> dict[str, list[dict]]:
+        return {"static1": [a_round(static1) for _ in range(3)],
+                "static3": [a_round(static3 * f) for f in (0.98, 1.0, 1.02)],
+                "goodput": [a_round(static1 * 1.2) for _ in range(3)]}
+
+    runs = {"a.json": a_run(rounds(100.0, 99.0)), "b.json": a_run(rounds(100.0, 120.0))}
+    row = verdict_row(table_of(tmp_path, runs, ["a.json", "b.json"], "b.json"),
+                      "transition: `goodput`")
+    assert "of static3" in row[2]
+    assert row[3].startswith("overall **not resolved**")
+
+
+def test_the_latest_run_joins_the_pool_once(tmp_path):
+    run = a_run(steady(100.0, [1.0, 1.1, 0.95]))
+    table = table_of(tmp_path, {"saved.json": run, "latest.json": run}, ["saved.json"],
+                     "latest.json")
+    assert "1 run, 3 rounds" in verdict_row(table, "transition: `goodput`")[2]
+
+
+def test_the_cluster_bars_are_met_where_a_fleet_reaches_them(tmp_path):
+    table = table_of(tmp_path, {"a.json": a_run(steady(100.0, [1.0, 1.1]))}, [], "a.json")
+    gain = verdict_row(table, "cluster simulation: cluster-aware goodput")
+    assert gain[3] == "**met** at 8 replicas, **missed** at 512 replicas in the default runs"
+    switches = verdict_row(table, "cluster simulation: `ema` switches")
+    assert switches[3] == "**met** at 8 replicas, **missed** at 512 replicas"
+    wall = verdict_row(table, "cluster simulation: 512 replicas")
+    assert wall[3] == "**missed** there (1 of 2 modes under 60 s)"
