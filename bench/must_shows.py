@@ -16,8 +16,9 @@ of the saved runs already, so a new suite run counts at once. The rules:
   some pooled run, and the one the mode does worst against is taken: pooled medians mix
   machines of different speeds, so the pool's own best static is no safer a choice.
 - HTTP, per phase: the same against 0.9, in every phase (against each phase's best statics).
-- Cluster simulation: the ratios of its saved run (`bench.cluster_sim`), met where they reach
-  the bar at a fleet size; wall time as that run measured it, on the machine it ran on.
+- Cluster simulation: the ratios of its saved run (`bench.cluster_sim`), met at a fleet size
+  where they reach the bar, as the median over the burst patterns where several ran; wall
+  time as that run measured it, on the machine it ran on.
 """
 
 from __future__ import annotations
@@ -109,10 +110,12 @@ def pooled_cell(runs: list[dict[str, Any]], pooled: dict[str, Any], overall: Aga
                 phases: dict[str, Against | None]) -> str:
     if overall is None:
         return "too few rounds for an interval"
+    cell = f"{len(runs)} run{'s' if len(runs) > 1 else ''}, {pooled['rounds']} rounds: {overall}"
     measured = {phase: against for phase, against in phases.items() if against}
+    if not measured:
+        return cell
     worst = min(measured, key=lambda phase: measured[phase].interval.low)
-    return (f"{len(runs)} run{'s' if len(runs) > 1 else ''}, {pooled['rounds']} rounds: "
-            f"{overall}; lowest phase {worst}, {measured[worst]}")
+    return f"{cell}; lowest phase {worst}, {measured[worst]}"
 
 
 def http_verdict(last: dict[str, Any], mode: str, overall: Against | None,
@@ -145,9 +148,16 @@ def by_fleet(runs: dict[str, Any], value: str, places: int = 3) -> str:
         f" at {' / '.join(runs)} replicas"
 
 
+def decisive(run: dict[str, Any], value: str) -> float:
+    """A fleet size's verdict value: the median over its burst patterns where several ran
+    (one pattern's gain can be far from the typical one's), else its one run's."""
+    seeds = [verdicts[value] for verdicts in run.get("seed_verdicts", ())]
+    return statistics.median(seeds) if len(seeds) > 1 else run["verdicts"][value]
+
+
 def met_where(runs: dict[str, Any], value: str, bar: float) -> str:
-    """The fleet sizes whose run reaches `bar`, and those whose run does not."""
-    met = [size for size, run in runs.items() if run["verdicts"][value] >= bar]
+    """The fleet sizes that reach `bar` (see `decisive`), and those that do not."""
+    met = [size for size, run in runs.items() if decisive(run, value) >= bar]
     missed = [size for size in runs if size not in met]
     return ", ".join(f"**{outcome}** at {', '.join(sizes)} replicas"
                      for outcome, sizes in (("met", met), ("missed", missed)) if sizes)
