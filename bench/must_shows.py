@@ -10,12 +10,12 @@ latest run (`last`, the file the suite writes); the latest joins the pool unless
 of the saved runs already, so a new suite run counts at once. The rules:
 
 - HTTP, overall: an adaptive mode over the best static, round by round over every pooled
-  round, as a geometric mean with its 95% interval (`RatioInterval`): met where the interval
-  lies above 1.0, missed where it lies below, else not resolved (and then the last run's
-  medians say which side it fell on). "The best static" is each static that was the best of
-  some pooled run, and the one the mode does worst against is taken: pooled medians mix
-  machines of different speeds, so the pool's own best static is no safer a choice.
-- HTTP, per phase: the same against 0.9, in every phase (against each phase's best statics).
+  round, as a geometric mean with its 95% interval (`RatioInterval`), against each static
+  that was the best of some pooled run (pooled medians mix machines of different speeds, so
+  the pool's own best static is no safe choice): met where the interval lies above 1.0
+  against every one of them, missed where it lies below against any, else not resolved (and
+  then the last run's medians say on which side it fell).
+- HTTP, per phase: the same against 0.9 in every phase, against each phase's best statics.
 - Cluster simulation: the ratios of its saved run (`bench.cluster_sim`), met at a fleet size
   where they reach the bar, as the median over the burst patterns where several ran; wall
   time as that run measured it, on the machine it ran on.
@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.report import RatioInterval, is_static, print_table, ratio
-from bench.transition_report import best_static, paired_ratios, pool
+from bench.report import RatioInterval, is_static, number, print_table, quotient
+from bench.transition_report import best_static, paired_ratios, pool, throughput_of
 
 RESULTS = Path("bench/results")
 MANIFEST = "must_shows.json"
@@ -41,170 +42,219 @@ OVERALL_BAR = 1.0
 PHASE_BAR = 0.9
 CLUSTER_GAIN_BAR = 1.1  # cluster-aware goodput over the best local-only policy
 SWITCH_BAR = 5.0  # `ema`'s switches over the cluster-aware mode's
-WALL_BAR_S = 60.0  # the largest fleet, each mode
+WALL_FLEET = "512"  # the fleet that must run each mode in under WALL_BAR_S of wall time
+WALL_BAR_S = 60.0
 OUTCOME = {"above": "met", "below": "missed", "not resolved": "not resolved"}
 
 
 @dataclass(frozen=True)
-class Against:
-    """A mode's round-by-round ratio to the static it does worst against (see the module)."""
+class Judged:
+    """A mode's pooled rounds against each candidate best static (see `judge`): the outcome
+    at `bar`, and the static that decides it with its round-by-round interval."""
 
+    outcome: str
+    """"above", "below" or "not resolved"; "no interval" with fewer than two rounds or a
+    round in which the mode or the static made nothing."""
     static: str
-    interval: RatioInterval
+    interval: RatioInterval | None
 
     def __str__(self) -> str:
-        return f"{self.interval} of {self.static}"
+        return f"{self.interval or 'n/a'} of {self.static}"
 
 
 def runs_of(bar: dict[str, Any], results: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The bar's saved runs, with its latest run unless it is one of them; and the latest."""
+    """The bar's saved runs, with its latest run unless it equals one of them (the suite
+    rewrites the latest; a copy saved under another name is the same run); and the latest."""
     runs = [json.loads((results / name).read_text()) for name in bar["pooled"]]
     last = json.loads((results / bar["last"]).read_text())
     return (runs if last in runs else [*runs, last]), last
 
 
-def hardest(runs: list[dict[str, Any]], pooled: dict[str, Any], mode: str,
-            phase: str | None = None) -> Against | None:
-    """`mode`'s pooled rounds against each static that was the best of some run (overall or
-    in `phase`, among the statics every run has), the lowest ratio; None with too few
-    rounds for an interval."""
+def judge(runs: list[dict[str, Any]], pooled: dict[str, Any], mode: str, bar: float,
+          phase: str | None = None) -> Judged:
+    """`mode`'s pooled rounds (overall, or in `phase`) against each static that was the best
+    of some run there, among the statics every run has: above `bar` only if above it
+    against every one, below it if below against any, else not resolved. The static shown
+    decides: one it lies below (the lowest), else the one with the lowest interval."""
     statics = [m for m in pooled["modes"] if is_static(m)]
-    bests = {best_static(run["modes"], statics, phase) for run in runs}
-    found = [Against(static, interval) for static in sorted(bests)
-             if (interval := RatioInterval.of(
-                 paired_ratios(pooled["modes"], [static], mode, phase)))]
-    return min(found, key=lambda against: against.interval.mean, default=None)
+    candidates = sorted({best_static(run["modes"], statics, phase) for run in runs})
+    intervals = {static: RatioInterval.of(paired_ratios(pooled["modes"], [static], mode, phase))
+                 for static in candidates}
+    if missing := [static for static, interval in intervals.items() if interval is None]:
+        return Judged("no interval", missing[0], None)
+    below = [s for s in candidates if intervals[s].against(bar) == "below"]
+    if below:
+        static = min(below, key=lambda s: intervals[s].high)
+        return Judged("below", static, intervals[static])
+    static = min(candidates, key=lambda s: intervals[s].low)
+    return Judged(intervals[static].against(bar), static, intervals[static])
+
+
+def over_best_static(modes: dict[str, Any], mode: str, phase: str | None = None
+                     ) -> tuple[str, float]:
+    """The run's best static by medians (overall or in `phase`), and `mode` over it (nan
+    where the static made nothing)."""
+    best = best_static(modes, [m for m in modes if is_static(m)], phase)
+    return best, quotient(throughput_of(modes[mode], phase), throughput_of(modes[best], phase))
 
 
 def last_run_cell(run: dict[str, Any], mode: str) -> str:
     """The latest run alone: `mode` over its best static by medians, overall and in its
-    worst phase, and overall round by round."""
+    worst phase (against that phase's best static), and overall round by round."""
     modes = run["modes"]
-    statics = [m for m in modes if is_static(m)]
-    best = best_static(modes, statics)
-    phases = {phase: modes[mode]["phases"][phase] /
-              modes[best_static(modes, statics, phase)]["phases"][phase]
-              for phase in run["phases"]}
-    worst = min(phases, key=phases.__getitem__)
-    cell = (f"{ratio(modes[mode]['throughput'], modes[best]['throughput'])}x {best}, "
-            f"worst phase {phases[worst]:.3f}x ({worst}), {run['rounds']} rounds")
+    best, overall = over_best_static(modes, mode)
+    phases = {phase: over_best_static(modes, mode, phase)[1] for phase in run["phases"]}
+    worst = min(phases, key=lambda phase: (math.isnan(phases[phase]), phases[phase]))
+    cell = (f"{number(overall, 3)}x {best}, worst phase {number(phases[worst], 3)}x "
+            f"({worst}), {run['rounds']} rounds")
     interval = RatioInterval.of(paired_ratios(modes, [best], mode))
     return cell + (f"; round by round {interval}" if interval else "")
 
 
 def http_rows(bar: dict[str, Any], results: Path) -> list[list[str]]:
-    """One row per adaptive mode every run of the bar has."""
+    """One row per adaptive mode of the bar's runs; a mode that some run lacks is named and
+    not judged (its rounds would not pair with every run's statics)."""
     runs, last = runs_of(bar, results)
-    pooled = pool(runs) if len(runs) > 1 else last
+    try:
+        pooled = pool(runs) if len(runs) > 1 else last
+    except ValueError as error:
+        raise ValueError(f"{bar['bar']}: {error}") from error
+    left_out = pooled.get("pooled", {}).get("modes_left_out", [])
     rows = []
     for mode in (m for m in pooled["modes"] if not is_static(m)):
-        overall = hardest(runs, pooled, mode)
-        phases = {phase: hardest(runs, pooled, mode, phase) for phase in pooled["phases"]}
-        rows.append([f"{bar['bar']}: `{mode}`", last_run_cell(last, mode),
-                     pooled_cell(runs, pooled, overall, phases),
+        overall = judge(runs, pooled, mode, OVERALL_BAR)
+        phases = {phase: judge(runs, pooled, mode, PHASE_BAR, phase)
+                  for phase in pooled["phases"]}
+        rows.append([f"{bar['bar']}: `{mode}`",
+                     last_run_cell(last, mode) if mode in last["modes"] else "-",
+                     pooled_cell(runs, pooled, overall, phases, left_out),
                      http_verdict(last, mode, overall, phases)])
+    rows += [[f"{bar['bar']}: `{mode}`", "-", "-", "not judged: not in every run"]
+             for mode in left_out if not is_static(mode)]
     return rows
 
 
-def pooled_cell(runs: list[dict[str, Any]], pooled: dict[str, Any], overall: Against | None,
-                phases: dict[str, Against | None]) -> str:
-    if overall is None:
-        return "too few rounds for an interval"
+def pooled_cell(runs: list[dict[str, Any]], pooled: dict[str, Any], overall: Judged,
+                phases: dict[str, Judged], left_out: list[str]) -> str:
     cell = f"{len(runs)} run{'s' if len(runs) > 1 else ''}, {pooled['rounds']} rounds: {overall}"
-    measured = {phase: against for phase, against in phases.items() if against}
-    if not measured:
-        return cell
-    worst = min(measured, key=lambda phase: measured[phase].interval.low)
-    return f"{cell}; lowest phase {worst}, {measured[worst]}"
+    measured = {phase: judged for phase, judged in phases.items() if judged.interval}
+    if measured:
+        worst = min(measured, key=lambda phase: measured[phase].interval.low)
+        cell += f"; lowest phase {worst}, {measured[worst]}"
+    if statics := [mode for mode in left_out if is_static(mode)]:
+        cell += f"; not in every run, so not compared: {', '.join(statics)}"
+    return cell
 
 
-def http_verdict(last: dict[str, Any], mode: str, overall: Against | None,
-                 phases: dict[str, Against | None]) -> str:
-    if overall is None:
-        return "not resolved (too few rounds)"
-    verdict = f"overall **{OUTCOME[overall.interval.against(OVERALL_BAR)]}**"
-    if overall.interval.against(OVERALL_BAR) == "not resolved":
-        modes = last["modes"]
-        best = best_static(modes, [m for m in modes if is_static(m)])
-        side = "met" if modes[mode]["throughput"] >= modes[best]["throughput"] else "missed"
-        verdict += f" ({side} by medians in the last run)"
+def http_verdict(last: dict[str, Any], mode: str, overall: Judged,
+                 phases: dict[str, Judged]) -> str:
+    if overall.outcome == "no interval":
+        return "not judged (too few rounds, or a round without tokens)"
+    verdict = f"overall **{OUTCOME[overall.outcome]}**"
+    if overall.outcome == "not resolved" and mode in last["modes"]:
+        best, value = over_best_static(last["modes"], mode)
+        side = "above" if value >= OVERALL_BAR else "below"
+        verdict += f" ({side} {best} by medians in the last run)"
     return verdict + f"; per phase **{phase_outcome(phases)}**"
 
 
-def phase_outcome(phases: dict[str, Against | None]) -> str:
-    """Met when every phase's interval lies above the bar; missed, naming the phases, when
-    some lie below it; else not resolved, naming the phases whose intervals cross it."""
-    sides = {phase: against.interval.against(PHASE_BAR) if against else "not resolved"
-             for phase, against in phases.items()}
-    for side in ("below", "not resolved"):
-        if named := [phase for phase, s in sides.items() if s == side]:
-            return f"{OUTCOME[side]} ({', '.join(named)})"
-    return "met"
+def phase_outcome(phases: dict[str, Judged]) -> str:
+    """Met when every phase's pooled rounds lie above the bar; else missed (naming the
+    phases below it) or not resolved, naming the phases the rounds do not resolve."""
+    named = {outcome: [phase for phase, judged in phases.items() if judged.outcome == outcome]
+             for outcome in ("below", "not resolved", "no interval")}
+    if not any(named.values()):
+        return "met"
+    parts = [", ".join(named["below"])] if named["below"] else []
+    prefix = {"not resolved": "not resolved: " if named["below"] else "",
+              "no interval": "no interval: "}
+    parts += [prefix[outcome] + ", ".join(named[outcome])
+              for outcome in ("not resolved", "no interval") if named[outcome]]
+    return f"{'missed' if named['below'] else 'not resolved'} ({'; '.join(parts)})"
+
+
+def as_ratio(value: float, places: int = 3) -> str:
+    """A cluster verdict value: nan where the base made nothing (no SLO met), inf where
+    the cluster-aware mode never switched."""
+    return "n/a" if math.isnan(value) else f"{value:.{places}f}x"
 
 
 def by_fleet(runs: dict[str, Any], value: str, places: int = 3) -> str:
     """A verdict value of each fleet size's run, as "1.628x / 1.025x at 8 / 64 replicas"."""
-    return " / ".join(f"{run['verdicts'][value]:.{places}f}x" for run in runs.values()) + \
+    return " / ".join(as_ratio(run["verdicts"][value], places) for run in runs.values()) + \
         f" at {' / '.join(runs)} replicas"
 
 
 def decisive(run: dict[str, Any], value: str) -> float:
     """A fleet size's verdict value: the median over its burst patterns where several ran
-    (one pattern's gain can be far from the typical one's), else its one run's."""
-    seeds = [verdicts[value] for verdicts in run.get("seed_verdicts", ())]
-    return statistics.median(seeds) if len(seeds) > 1 else run["verdicts"][value]
+    (one pattern's gain can be far from the typical one's), else its one run's; nan where
+    any is nan (a median over nan is not defined)."""
+    values = [verdicts[value] for verdicts in run.get("seed_verdicts", ())] or \
+        [run["verdicts"][value]]
+    return math.nan if any(map(math.isnan, values)) else statistics.median(values)
 
 
 def met_where(runs: dict[str, Any], value: str, bar: float) -> str:
-    """The fleet sizes that reach `bar` (see `decisive`), and those that do not."""
-    met = [size for size, run in runs.items() if decisive(run, value) >= bar]
-    missed = [size for size in runs if size not in met]
-    return ", ".join(f"**{outcome}** at {', '.join(sizes)} replicas"
-                     for outcome, sizes in (("met", met), ("missed", missed)) if sizes)
+    """The fleet sizes that reach `bar` (see `decisive`), those that do not, and those
+    without a value."""
+    sizes: dict[str, list[str]] = {"met": [], "missed": [], "n/a": []}
+    for size, run in runs.items():
+        found = decisive(run, value)
+        sizes["n/a" if math.isnan(found) else "met" if found >= bar else "missed"].append(size)
+    return ", ".join(f"**{outcome}** at {', '.join(named)} replicas"
+                     for outcome, named in sizes.items() if named)
 
 
-def burst_patterns(runs: dict[str, Any]) -> list[str]:
-    """The cluster-aware gain over other burst patterns (seeds), where the run has them."""
+def burst_patterns(runs: dict[str, Any], value: str) -> list[str]:
+    """`value` over other burst patterns (seeds), where a run has them."""
     cells = []
     for size, run in runs.items():
         for label, part in (("", run), (" over the longer run", run.get("longer", {}))):
-            values = [v["cluster_vs_best_local"] for v in part.get("seed_verdicts", ())]
+            values = [v[value] for v in part.get("seed_verdicts", ())]
             if len(values) > 1:
                 cells.append(f"{len(values)} burst patterns at {size}{label}: median "
-                             f"{statistics.median(values):.3f}x "
-                             f"({min(values):.3f}-{max(values):.3f})")
+                             f"{as_ratio(decisive(part, value))} "
+                             f"({as_ratio(min(values))}-{as_ratio(max(values))})")
     return cells
 
 
-def cluster_rows(saved: dict[str, Any]) -> list[list[str]]:
-    runs = saved["runs"]
-    longer = {size: run["longer"] for size, run in runs.items() if "longer" in run}
+def gain_row(runs: dict[str, Any]) -> list[str]:
     gain = "cluster_vs_best_local"
-    more, gain_verdict = burst_patterns(runs), f"{met_where(runs, gain, CLUSTER_GAIN_BAR)} " \
-        "in the default runs"
+    more = burst_patterns(runs, gain)
+    verdict = f"{met_where(runs, gain, CLUSTER_GAIN_BAR)} in the default runs"
+    longer = {size: run["longer"] for size, run in runs.items() if "longer" in run}
     if longer:
         seconds = "/".join(sorted({f"{run['duration_s']:.0f}" for run in longer.values()}))
         more.insert(0, f"{seconds} s of arrivals: {by_fleet(longer, gain)}")
-        gain_verdict += f"; over {seconds} s {met_where(longer, gain, CLUSTER_GAIN_BAR)}"
-    largest = max(runs, key=int)
-    walls = {mode: result["wall_s"] for mode, result in runs[largest]["modes"].items()}
+        verdict += f"; over {seconds} s {met_where(longer, gain, CLUSTER_GAIN_BAR)}"
+    return [f"cluster simulation: cluster-aware goodput >= {CLUSTER_GAIN_BAR}x the best "
+            "local-only policy", by_fleet(runs, gain), "; ".join(more) or "-", verdict]
+
+
+def switch_row(runs: dict[str, Any]) -> list[str]:
+    return [f"cluster simulation: `ema` switches >= {SWITCH_BAR:.0f}x the cluster-aware mode's",
+            by_fleet(runs, "ema_switches_vs_cluster", 1),
+            f"steady window: {by_fleet(runs, 'ema_steady_switches_vs_cluster', 1)}",
+            met_where(runs, "ema_switches_vs_cluster", SWITCH_BAR)]
+
+
+def wall_row(saved: dict[str, Any]) -> list[str]:
+    bar = f"cluster simulation: {WALL_FLEET} replicas in under a minute of wall time, each mode"
+    if WALL_FLEET not in saved["runs"]:
+        return [bar, "-", "-", "**missed** (not run)"]
+    walls = {mode: result["wall_s"] for mode, result in saved["runs"][WALL_FLEET]["modes"].items()}
     slowest = max(walls, key=walls.__getitem__)
     under = sum(wall < WALL_BAR_S for wall in walls.values())
     # Simulations share the machine when the run gave each core one (absent from older runs).
     at_once = f", {saved['jobs']} at a time" if "jobs" in saved else ""
-    return [
-        [f"cluster simulation: cluster-aware goodput >= {CLUSTER_GAIN_BAR}x the best "
-         "local-only policy", by_fleet(runs, gain), "; ".join(more) or "-", gain_verdict],
-        [f"cluster simulation: `ema` switches >= {SWITCH_BAR:.0f}x the cluster-aware mode's",
-         by_fleet(runs, "ema_switches_vs_cluster", 1),
-         f"steady window: {by_fleet(runs, 'ema_steady_switches_vs_cluster', 1)}",
-         met_where(runs, "ema_switches_vs_cluster", SWITCH_BAR)],
-        [f"cluster simulation: {largest} replicas in under a minute of wall time, each mode",
-         f"{min(walls.values()):.1f}-{walls[slowest]:.1f} s a mode ({slowest} the slowest)"
-         f"{at_once}, on the machine that made the tables", "-",
-         f"**{'met' if under == len(walls) else 'missed'}** there "
-         f"({under} of {len(walls)} modes under {WALL_BAR_S:.0f} s)"],
-    ]
+    return [bar, f"{min(walls.values()):.1f}-{walls[slowest]:.1f} s a mode ({slowest} the "
+            f"slowest){at_once}, on the machine that made the tables", "-",
+            f"**{'met' if under == len(walls) else 'missed'}** there "
+            f"({under} of {len(walls)} modes under {WALL_BAR_S:.0f} s)"]
+
+
+def cluster_rows(saved: dict[str, Any]) -> list[list[str]]:
+    return [gain_row(saved["runs"]), switch_row(saved["runs"]), wall_row(saved)]
 
 
 def render(results: Path = RESULTS) -> str:
