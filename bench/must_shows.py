@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.report import RatioInterval, is_static, number, print_table, quotient
-from bench.transition_report import best_static, paired_ratios, pool, throughput_of
+from bench.report import RatioInterval, is_static, number, print_table
+from bench.transition_report import best_static, over_best_static, paired_ratios, pool
 
 RESULTS = Path("bench/results")
 MANIFEST = "must_shows.json"
@@ -88,14 +88,6 @@ def judge(runs: list[dict[str, Any]], pooled: dict[str, Any], mode: str, bar: fl
         return Judged("below", static, intervals[static])
     static = min(candidates, key=lambda s: intervals[s].low)
     return Judged(intervals[static].against(bar), static, intervals[static])
-
-
-def over_best_static(modes: dict[str, Any], mode: str, phase: str | None = None
-                     ) -> tuple[str, float]:
-    """The run's best static by medians (overall or in `phase`), and `mode` over it (nan
-    where the static made nothing)."""
-    best = best_static(modes, [m for m in modes if is_static(m)], phase)
-    return best, quotient(throughput_of(modes[mode], phase), throughput_of(modes[best], phase))
 
 
 def last_run_cell(run: dict[str, Any], mode: str) -> str:

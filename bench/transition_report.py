@@ -20,6 +20,7 @@ from bench.report import (
     is_static,
     number,
     print_table,
+    quotient,
     ratio,
     verdict,
 )
@@ -171,6 +172,14 @@ def throughput_of(run: dict[str, Any], phase: str | None = None) -> float:
 def best_static(modes: dict[str, Any], statics: list[str], phase: str | None = None) -> str:
     """The static mode with the most tok/s by medians, overall or in `phase`."""
     return max(statics, key=lambda static: throughput_of(modes[static], phase))
+
+
+def over_best_static(modes: dict[str, Any], mode: str, phase: str | None = None
+                     ) -> tuple[str, float]:
+    """The run's best static by medians (overall or in `phase`), and `mode` over it (nan
+    where the static made nothing)."""
+    best = best_static(modes, [m for m in modes if is_static(m)], phase)
+    return best, quotient(throughput_of(modes[mode], phase), throughput_of(modes[best], phase))
 
 
 def paired_ratios(modes: dict[str, Any], against: list[str], mode: str,
@@ -353,12 +362,9 @@ def run_ratios(runs: list[dict[str, Any]], mode: str) -> list[str]:
     "0.948x (static7)": how far apart the pooled runs landed."""
     ratios = []
     for run in runs:
-        modes = run["modes"]
-        statics = [m for m in modes if is_static(m)]
-        if mode not in modes or not statics:
-            continue
-        best = best_static(modes, statics)
-        ratios.append(f"{ratio(modes[mode]['throughput'], modes[best]['throughput'])}x ({best})")
+        if mode in run["modes"] and any(map(is_static, run["modes"])):
+            best, value = over_best_static(run["modes"], mode)
+            ratios.append(f"{number(value, 3)}x ({best})")
     return ratios
 
 
