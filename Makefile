@@ -45,7 +45,8 @@ lint: install
 .NOTPARALLEL:
 
 # Every benchmark whose results the README shows, then the must-shows table made from the
-# saved runs and the README's result tables regenerated from bench/results/: simulator replays and the cluster simulation (minutes), the observability
+# saved runs and the README's result tables regenerated from bench/results/: simulator
+# replays and the cluster simulation (minutes), the observability
 # overhead (simulated serving, under a minute), the vLLM engine benchmark (minutes), and the
 # HTTP benchmarks against `serve run serve_config.yaml` and the draft-model config, each
 # started and stopped here (about 52 minutes on 2 cores for the default's with the streaming

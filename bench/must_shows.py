@@ -105,7 +105,8 @@ def last_run_cell(run: dict[str, Any], mode: str) -> str:
 
 def http_rows(bar: dict[str, Any], results: Path) -> list[list[str]]:
     """One row per adaptive mode of the bar's runs; a mode that some run lacks is named and
-    not judged (its rounds would not pair with every run's statics)."""
+    not judged (its rounds would not pair with every run's statics). The latest run is one
+    of the runs, so it has every mode judged."""
     runs, last = runs_of(bar, results)
     try:
         pooled = pool(runs) if len(runs) > 1 else last
@@ -117,8 +118,7 @@ def http_rows(bar: dict[str, Any], results: Path) -> list[list[str]]:
         overall = judge(runs, pooled, mode, OVERALL_BAR)
         phases = {phase: judge(runs, pooled, mode, PHASE_BAR, phase)
                   for phase in pooled["phases"]}
-        rows.append([f"{bar['bar']}: `{mode}`",
-                     last_run_cell(last, mode) if mode in last["modes"] else "-",
+        rows.append([f"{bar['bar']}: `{mode}`", last_run_cell(last, mode),
                      pooled_cell(runs, pooled, overall, phases, left_out),
                      http_verdict(last, mode, overall, phases)])
     rows += [[f"{bar['bar']}: `{mode}`", "-", "-", "not judged: not in every run"]
@@ -143,7 +143,7 @@ def http_verdict(last: dict[str, Any], mode: str, overall: Judged,
     if overall.outcome == "no interval":
         return "not judged (too few rounds, or a round without tokens)"
     verdict = f"overall **{OUTCOME[overall.outcome]}**"
-    if overall.outcome == "not resolved" and mode in last["modes"]:
+    if overall.outcome == "not resolved":
         best, value = over_best_static(last["modes"], mode)
         side = "above" if value >= OVERALL_BAR else "below"
         verdict += f" ({side} {best} by medians in the last run)"

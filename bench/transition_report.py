@@ -84,13 +84,11 @@ def report(results: dict[str, Any]) -> str:
     statics = [m for m in modes if is_static(m)]
     adaptive = [m for m in modes if not is_static(m)]
     if statics and adaptive:  # the bar: >= best static overall, >= 0.9x per phase
-        best = {p: max(modes[s]["phases"][p] for s in statics) for p in phase_names}
         best_overall = max(modes[s]["throughput"] for s in statics)
         lines.append(print_table(
             "ADAPTIVE VS BEST STATIC (overall; per phase vs that phase's best static)",
             ["mode", "overall", *phase_names],
-            [[m, ratio(modes[m]["throughput"], best_overall),
-              *(ratio(modes[m]["phases"][p], best[p]) for p in phase_names)]
+            [[m, *(number(over_best_static(modes, m, p)[1], 3) for p in (None, *phase_names))]
              for m in adaptive]))
         lines.append(ceiling_table(modes, statics, adaptive, phase_names, best_overall))
     if statics and adaptive and rounds > 1:
