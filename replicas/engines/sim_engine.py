@@ -106,9 +106,8 @@ class SimulatedEngine:
         self._drift = 0.0
         self._jitter_rng = np.random.default_rng(
             (*(seed if isinstance(seed, tuple) else (seed,)), JITTER_STREAM))
-        # As the vLLM adapter: caps only where drafts cost nothing to propose (see
-        # `SimPreset.model_drafter`).
-        self.applies_draft_caps = not preset.model_drafter
+        # As the app's adapter for the engine the preset models (`SimPreset.draft_caps`).
+        self.applies_draft_caps = preset.draft_caps
         self._rng = np.random.default_rng(seed)
         self.kmax = kmax
         self.max_num_seqs = max_num_seqs

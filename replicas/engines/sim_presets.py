@@ -110,6 +110,16 @@ class SimPreset:
     """The drafter is a model that runs K draft passes a step, capped requests included
     (`per_draft_s` is that pass), so per-request draft caps are not offered, as the vLLM
     adapter does not offer them for model drafters."""
+    on_gpu: bool = False
+    """The preset models a GPU, where the vLLM adapter offers no per-request draft caps
+    either: vLLM schedules asynchronously there, so drafts never pass through the scheduler
+    between steps (`VLLMEngine.applies_draft_caps`), and the SGLang adapter has none."""
+
+    @property
+    def draft_caps(self) -> bool:
+        """Whether the engine this preset models applies per-request draft caps, as the app's
+        adapter for it would: prompt lookup on the CPU only."""
+        return not self.model_drafter and not self.on_gpu
 
     def step_seconds(self, batch: int, k: float, drafts: int | None = None) -> float:
         """`drafts`: draft tokens verified, when per-request caps left fewer than B x K (the
@@ -175,7 +185,7 @@ PRESETS = {
     # than low/high; high_2 copies throughout).
     "h20-llama8b-ngram": SimPreset(
         "h20-llama8b-ngram", base_s=10.73e-3, per_seq_s=0.15e-3, per_draft_s=0.0,
-        per_token_s=0.1335e-3, knee_tokens=35,
+        per_token_s=0.1335e-3, knee_tokens=35, on_gpu=True,
         acceptance={"low_1": Acceptance(0.434, copy_share=0.059),
                     "high_1": Acceptance(0.515, copy_share=0.033),
                     "low_2": Acceptance(0.739, copy_share=0.067),
