@@ -174,7 +174,6 @@ def test_the_draft_model_preset_is_the_engine_and_the_app_as_measured() -> None:
         simulated = len(types) / steps
         over_http = http["modes"][f"static{k}"]["phase_accept_len"]["high_1"]
         assert simulated == pytest.approx(over_http, rel=0.08), k
-    assert not SimulatedEngine(preset).applies_draft_caps
 
 
 def test_simulated_engines_cap_drafts_where_the_apps_adapter_would() -> None:
