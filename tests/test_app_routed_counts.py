@@ -130,6 +130,24 @@ def test_router_counts_other_routers_requests_in_the_class_share():
         assert asyncio.run(first_choice("sampled", f"s{i}")) == "r2"
 
 
+def test_router_spills_a_class_from_a_replica_whose_reported_batch_is_full():
+    """The replicas report their engine batch (`max_num_seqs`): r1 holds five greedy
+    requests of another router and r2 two sampled ones. Without a limit a greedy request
+    gathers on r1 (cost 5 against 6); with a batch of 4, r1 would queue two (cost 7)."""
+    gathering = object.__new__(router.ClassGatheringRouter)
+    gathering.initialize_state()
+    request = SimpleNamespace(args=[{"request_class": "greedy"}],
+                              metadata=SimpleNamespace(internal_request_id="q"))
+    for batch, chosen in ((None, "r1"), (4, "r2")):
+        reports = {"r1": {"ongoing_by_router": {"other": {"greedy": 5}}, "max_num_seqs": batch},
+                   "r2": {"ongoing_by_router": {"other": {"sampled": 2}},
+                          "max_num_seqs": batch}}
+        replicas = [SimpleNamespace(replica_id=_ReplicaID(name), routing_stats=stats)
+                    for name, stats in reports.items()]
+        ranks = asyncio.run(gathering.choose_replicas(replicas, request))
+        assert ranks[0][0].replica_id.unique_id == chosen
+
+
 def _router_over(names: tuple[str, ...]) -> tuple[router.ClassGatheringRouter, list]:
     gathering = object.__new__(router.ClassGatheringRouter)  # no Serve controller needed
     gathering.initialize_state()

@@ -66,6 +66,20 @@ def test_router_gathers_a_class_until_its_replicas_are_three_times_as_loaded():
     assert rank_replicas([copying, chatting], affinity=0)[0] == ["chatting"]
 
 
+def test_router_prices_each_request_that_would_wait_behind_a_full_batch():
+    # Below the batch limit the limit changes nothing; at it, the new request would wait.
+    assert gathering_cost(ReplicaLoad("copying", 7, 7, batch_limit=8)) == pytest.approx(7)
+    assert gathering_cost(ReplicaLoad("copying", 8, 8, batch_limit=8)) == pytest.approx(9)
+    assert gathering_cost(ReplicaLoad("copying", 12, 12, batch_limit=8)) == pytest.approx(17)
+    assert gathering_cost(ReplicaLoad("idle", 0, 0, batch_limit=1)) == 0
+    # A burst of one class spills from its full replicas sooner than without the limit:
+    # "chatting" (8 requests, none of this class) costs 24.
+    chatting = ReplicaLoad("chatting", 8, 0, batch_limit=16)
+    assert rank_replicas([ReplicaLoad("copying", 20, 20), chatting])[0] == ["copying"]
+    assert rank_replicas([ReplicaLoad("copying", 20, 20, batch_limit=16), chatting])[0] == \
+        ["chatting"]
+
+
 def test_router_sends_a_class_where_it_went_last_when_replicas_tie():
     """One request at a time over two idle replicas: each class settles on its own replica
     (a random pick would move copy requests onto the replica a sampled one just left at
