@@ -58,8 +58,9 @@ from policies.class_acceptance import DEFAULT_CLASS
 
 CLASS_AFFINITY = 2.0
 # Cost of each request a replica would hold beyond its batch limit (see the module docstring).
-# In the cluster simulation 1 and 2 took about the same capacity at the SLO (3.9% and 4.3% over
-# the best local-only mode); 1 gave up less of gathering's gain under sustained overload.
+# In stop 59's cluster-simulation experiment 1 and 2 took about the same capacity at the SLO
+# (3.9% and 4.3% over the best local-only mode; 3.9% reproduced in stop 60's tables); 1 gave up
+# less of gathering's gain under sustained overload.
 QUEUE_WEIGHT = 1.0
 # Large fleets: rank a random sample of this many replicas (routing stays O(1) per request,
 # as Ray Serve's power-of-two-choices does with two).
