@@ -63,7 +63,6 @@ class EngineReplica:
         rank = getattr(context.rank, "rank", context.rank) or 0  # an object since ray 2.60
         spec = EngineSpec(**{**engine, "tiers": tuple(candidates)})
         self.model_name = spec.name
-        self.max_num_seqs = spec.max_num_seqs
         self.engine = build_engine(spec, replica_rank=int(rank))
         await self.engine.start()
         self.pool = TierPool(self.engine, candidates, initial_k)
@@ -398,7 +397,7 @@ class EngineReplica:
         return {"running": counters.running, "waiting": counters.waiting,
                 "ongoing": self.ongoing, "active_k": self.pool.active_k,
                 # Routers price the requests that would wait behind a full batch.
-                "max_num_seqs": self.max_num_seqs,
+                "max_num_seqs": self.loop.max_batch,
                 # Routers take the other routers' share, in all and per class, and count
                 # their own themselves, fresher.
                 "ongoing_by_router": self._ongoing_by_router_report(),

@@ -309,7 +309,8 @@ async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s
                 recent = [fleet[int(r[1:])] for r in recent_by_class.get(arrival.request_class)]
                 candidates = sample_candidates(fleet, rng, recent)
                 loads = [ReplicaLoad(r.replica_id, r.load,
-                                     r.in_flight_classes[arrival.request_class], MAX_BATCH)
+                                     r.in_flight_classes[arrival.request_class],
+                                     r.engine.max_num_seqs)
                          for r in candidates]
                 pick = pick_warm(rank_replicas(loads)[0], recent_by_class.last_class,
                                  arrival.request_class, rng)
