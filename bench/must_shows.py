@@ -104,9 +104,9 @@ def last_run_cell(run: dict[str, Any], mode: str) -> str:
 
 
 def http_rows(bar: dict[str, Any], results: Path) -> list[list[str]]:
-    """One row per adaptive mode of the bar's runs; a mode that some run lacks is named and
-    not judged (its rounds would not pair with every run's statics). The latest run is one
-    of the runs, so it has every mode judged."""
+    """One row per adaptive mode of the bar's runs; a mode the latest run has and some other
+    run lacks is named and not judged (its rounds would not pair with every run's statics).
+    A mode only older runs have was a variant the suite no longer runs: not a bar."""
     runs, last = runs_of(bar, results)
     try:
         pooled = pool(runs) if len(runs) > 1 else last
@@ -122,7 +122,7 @@ def http_rows(bar: dict[str, Any], results: Path) -> list[list[str]]:
                      pooled_cell(runs, pooled, overall, phases, left_out),
                      http_verdict(last, mode, overall, phases)])
     rows += [[f"{bar['bar']}: `{mode}`", "-", "-", "not judged: not in every run"]
-             for mode in left_out if not is_static(mode)]
+             for mode in left_out if not is_static(mode) and mode in last["modes"]]
     return rows
 
 

@@ -29,6 +29,25 @@ from bench.report import (
 RUN_SHAPE = ("requests", "concurrency", "warmup", "model", "replicas", "candidates",
              "app_config")
 
+# Policy options a committed run recorded that the code no longer has, each with the value that
+# did what the code does now: a run that recorded that value ran today's policy, one that
+# recorded another ran a variant. (Stop 49's draft-model run recorded `request_class_priors`,
+# an experiment's switch whose default, true, was the committed behaviour; the experiment was
+# not kept.)
+RETIRED_POLICY_OPTIONS: dict[str, dict[str, Any]] = {
+    "goodput": {"request_class_priors": True}}
+
+
+def current_policy_config(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A recorded policy config as the code now spells it: retired options that held the
+    behaviour the code kept are dropped; any other value of one stays, so it compares as
+    different."""
+    if config is None:
+        return None
+    retired = RETIRED_POLICY_OPTIONS.get(config.get("name", ""), {})
+    return {key: value for key, value in config.items()
+            if key not in retired or retired[key] != value}
+
 
 def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One mode over its rounds: medians of throughput (overall and per phase), latency,
@@ -317,8 +336,9 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     narrow the intervals that one run leaves unresolved. Each round keeps its pairing (its
     modes ran back to back); the tier timelines are not pooled. Runs of different workloads,
     phases, token budgets, loads (requests and concurrency per phase, warm-up), models,
-    deployments (replicas, tiers, the app's config) or policy configs are refused; runs
-    recorded before a field existed are not compared on it. The modes are those every run has
+    deployments (replicas, tiers, the app's config) or policy configs are refused (a retired
+    option compares as the code now behaves: `RETIRED_POLICY_OPTIONS`); runs recorded before a
+    field existed are not compared on it. The modes are those every run has
     (the others are named under "pooled"), and the A/A control only if every run had it.
     The interval then treats every round alike, though rounds of one app start may share a
     level: the report names each run's own ratio beside it (see `main`)."""
@@ -331,7 +351,8 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"the runs differ in {key}: not one benchmark")
     names = [m for m in first["modes"] if all(m in run["modes"] for run in runs)]
     for mode in names:
-        configs = {json.dumps(run.get("policies", {}).get(mode), sort_keys=True) for run in runs}
+        configs = {json.dumps(current_policy_config(run.get("policies", {}).get(mode)),
+                              sort_keys=True) for run in runs}
         if len(configs) > 1:
             raise ValueError(f"the runs ran {mode} with different policy configs")
 

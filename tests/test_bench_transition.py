@@ -524,6 +524,26 @@ def test_runs_pool_into_one_run_of_all_their_rounds() -> None:
                                                          "switch_margin": 0.15}}}])
 
 
+@pytest.mark.parametrize(("recorded", "pools"), [(True, True), (False, False)])
+def test_a_retired_option_pools_only_at_the_value_the_code_kept(recorded: bool,
+                                                                pools: bool) -> None:
+    """A run that recorded a since-removed option pools with today's runs when it held the
+    behaviour the code kept, and is refused when it ran the variant."""
+    def run(**goodput: object) -> dict:
+        return {"workload": "transition", "max_tokens": 256, "phases": ["low_1", "high_1"],
+                "rounds": 1, "policies": {"goodput": {"name": "goodput", **goodput}},
+                "modes": {"goodput": combine([_round(400, 200, 0, 3)])}}
+
+    old, today = run(switch_margin=0.05, request_class_priors=recorded), run(switch_margin=0.05)
+    if pools:
+        assert pool([today, old])["rounds"] == 2
+    else:
+        with pytest.raises(ValueError, match="policy configs"):
+            pool([today, old])
+    with pytest.raises(ValueError, match="policy configs"):
+        pool([run(switch_margin=0.15, request_class_priors=True), today])
+
+
 @pytest.mark.parametrize(("key", "value", "other"), [
     ("requests", [16] * 4, [32] * 4), ("concurrency", [8] * 4, [4] * 4), ("warmup", 8, 0),
     ("model", "target", "other"), ("replicas", 2, 1), ("candidates", [0, 1, 3], [0, 1]),

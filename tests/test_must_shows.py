@@ -127,12 +127,17 @@ def test_a_static_without_tokens_in_a_phase_gives_no_ratio_and_no_crash(tmp_path
 
 
 def test_a_mode_some_run_lacks_is_named_and_not_judged(tmp_path):
+    """A mode the latest run has and an older one lacks is named; a variant that only an
+    older run ran is no bar of today's suite and gets no row."""
     with_ema = steady(100.0, [1.0, 1.1, 0.9])
     with_ema["ema"] = [a_round(95.0) for _ in range(3)]
-    runs = {"a.json": a_run(with_ema), "b.json": a_run(steady(100.0, [1.0, 1.1, 0.9]))}
-    table = table_of(tmp_path, runs, ["a.json"], "b.json")
+    with_variant = steady(100.0, [1.0, 1.1, 0.9])
+    with_variant["goodput_variant"] = [a_round(97.0) for _ in range(3)]
+    runs = {"old.json": a_run(with_variant), "latest.json": a_run(with_ema)}
+    table = table_of(tmp_path, runs, ["old.json"], "latest.json")
     assert verdict_row(table, "transition: `ema`")[3] == "not judged: not in every run"
     assert verdict_row(table, "transition: `goodput`")[2].startswith("2 runs, 6 rounds")
+    assert "goodput_variant" not in table
 
 
 def test_the_latest_run_joins_the_pool_once(tmp_path):
