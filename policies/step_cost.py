@@ -22,38 +22,53 @@ P = TypeVar("P")  # the point type of a cost table (see _predict_row)
 
 
 class StepCostModel:
-    """Per draft depth (draft tokens per sequence a step verified), step seconds measured at
-    each batch size, interpolated piecewise-linearly in batch size: it follows the knee
-    between the memory-bound regime (flat in batch x depth) and the compute-bound one, which
-    one straight line would smear.
+    """Step seconds by batch size and draft depth (draft tokens per sequence a step
+    verified), as a shape times a level: `level(t) * shape(batch, depth)`.
 
-    Step wall times on a shared machine jitter by tens of percent, so two rules keep noise
-    from choosing the tier:
+    The level is the machine's speed now. Over HTTP on this 2-core machine it moves by 1.7x
+    within seconds (a replica at K=0, batch 4, priced its steps at 20 ms and four seconds
+    later at 12), and a tier is measured only while it runs: costs kept per tier in seconds
+    compared a tier measured now with one measured in another spell, and the policy swung
+    between tiers as the spells changed (one replica switched between K=0 and K=1 42 times
+    in a round of the draft-model transition with 64 requests a phase). So each step
+    teaches the level (a running mean over the last `LEVEL_STEPS` steps of measured over
+    shape), and the shape of its point only what the level does not explain. Tiers are
+    compared at one level, so the level cancels out of a choice; it matters where a step's
+    seconds do (`tpot_slo_ms`). The shape is learned where the policy switches: a tier that
+    costs more than the shape says shows it against the level the tier before set.
+
+    The shape, per depth, is piecewise-linear in batch size: it follows the knee between
+    the memory-bound regime (flat in batch x depth) and the compute-bound one, which one
+    straight line would smear. Step wall times jitter by tens of percent, so two rules keep
+    noise from choosing the tier:
     - a point is a running mean that becomes an EWMA (a new step weighs at least 1 - decay);
       a batch size seen for the first time starts from what its neighbours predict, worth
       `PRIOR_STEPS` steps, rather than from one raw sample;
     - at a batch size, predictions never fall as the depth grows (verifying more tokens does
       not cost less): a deep tier that looked cheap by luck would otherwise win with nothing
-      accepted.
+      accepted. With a profile they grow at least as steeply as its do. Raised only to
+      equal, over HTTP (draft model, 64 requests a phase) K=7 was priced at a median 1.08x
+      K=3's step and K=15 at 1.52x, where the static runs' steps grow about as the profile
+      does (K=7 1.1-1.4x K=3's, K=15 1.8-2.1x; the profile 1.35x and 2x).
 
-    A profile (`seed`) gives the shape across batch and depth, not the level: in the serving
-    app a step also carries prefills, streaming and the other processes on the machine, and
-    costs more than the engine alone in `bench.engine_bench`. Unscaled, every tier not yet
-    measured would look cheap, and the policy would cycle through them (each measurement
-    making the next unmeasured tier the best). So profiled points not yet measured are
-    scaled by the running ratio of measured steps to what the profile predicts for them.
+    A profile (`seed`, e.g. from `bench.engine_bench`) is the shape to start from, at the
+    profile's level; the first measured step sets the level (in the serving app a step also
+    carries prefills, streaming and the other processes on the machine, 2-3x the engine
+    alone), so a tier not yet measured is priced at the level of those that were, not at the
+    engine's.
     """
 
     PRIOR_STEPS = 4.0
+    LEVEL_STEPS = 16.0
 
     def __init__(self, decay: float):
         self.max_weight = math.inf if decay >= 1 else 1 / (1 - decay)
-        self._points: _CostTable[_CostPoint] = _CostTable()
+        self._points: _CostTable[_CostPoint] = _CostTable()  # shapes
         self._profile: _CostTable[float] = _CostTable()  # profiled seconds
         # (batch, depth) -> prediction
         self._profiled: dict[tuple[int, int], float | None] = {}
-        self.scale, self._scale_weight = 1.0, self.PRIOR_STEPS
-        """Measured step time over the profile's prediction (1 without a profile)."""
+        self.level, self._level_weight = 1.0, 0.0
+        """Measured step seconds over the shape's (1 until measured)."""
 
     def seed(self, cost: StepCost) -> None:
         """A profiled point, worth `PRIOR_STEPS` measured steps."""
@@ -65,25 +80,26 @@ class StepCostModel:
     def observe(self, cost: StepCost) -> None:
         if cost.seconds <= 0 or cost.batch <= 0:
             return
-        profiled = self._profiled_seconds(cost.batch, cost.depth)
-        if profiled is not None:
-            self._scale_weight = min(self._scale_weight + 1, self.max_weight)
-            self.scale += (cost.seconds / profiled - self.scale) / self._scale_weight
+        # Against the shape as predicted (the depth rule applied), so that the tier running
+        # is priced at what its steps measure.
+        shape = self._predict_shape(cost.batch, (cost.depth,)).get(cost.depth)
+        if shape is not None:
+            self._level_weight = min(self._level_weight + 1, self.LEVEL_STEPS)
+            self.level += (cost.seconds / shape - self.level) / self._level_weight
         point = self._points.get(cost.depth, cost.batch)
-        if point is None or not point.measured:
-            guess = self.predict(cost.batch, cost.depth)
-            point = _CostPoint(cost.seconds, 0.0) if guess is None else \
-                _CostPoint(guess, self.PRIOR_STEPS)
+        if point is None:
+            point = _CostPoint(cost.seconds / self.level, 0.0) if shape is None else \
+                _CostPoint(shape, self.PRIOR_STEPS)
             self._points.set(cost.depth, cost.batch, point)
+        point.measured = True
         point.weight = min(point.weight + 1, self.max_weight)
-        point.seconds += (cost.seconds - point.seconds) / point.weight
+        point.seconds += (cost.seconds / self.level - point.seconds) / point.weight
         point.steps += 1
 
     def profile_rows(self, min_steps: int) -> list[StepCost]:
         """What this model now predicts at each point it holds, by batch then depth, in a
-        profile's form (`GoodputConfig.profile`): a point measured from at least `min_steps`
-        steps as measured, a point only profiled scaled to the measured level (`scale`), so
-        the rows are one complete profile at one level; a point measured from fewer steps is
+        profile's form (`GoodputConfig.profile`), at the level now: a point measured from
+        at least `min_steps` steps, or only profiled; a point measured from fewer steps is
         left out (its neighbours interpolate it). A deployment can start from it instead of
         the profile it was given."""
         rows = []
@@ -91,28 +107,34 @@ class StepCostModel:
         for depth, by_batch in list(self._points.points.items()):
             for batch, point in list(by_batch.items()):
                 if not point.measured or point.steps >= min_steps:
-                    rows.append(StepCost(batch, depth, self._value(point)))
+                    rows.append(StepCost(batch, depth, point.seconds * self.level))
         return sorted(rows, key=lambda cost: (cost.batch, cost.depth))
 
     def _profiled_seconds(self, batch: int, depth: int) -> float | None:
         """What the profile alone predicts for a step (None without a profile); memoised:
-        every observed step asks, and the profile only changes when seeded."""
+        every prediction asks, and the profile only changes when seeded."""
         key = (batch, depth)
         if key not in self._profiled:
             self._profiled[key] = _predict_row(self._profile, float, batch, (depth,)).get(depth)
         return self._profiled[key]
 
-    def _value(self, point: _CostPoint) -> float:
-        return point.seconds if point.measured else point.seconds * self.scale
+    def _predict_shape(self, batch: int, depths: tuple[float, ...]) -> dict[float, float]:
+        return _predict_row(self._points, _shape, batch, depths,
+                            lambda depth: self._profiled_seconds(batch, depth))
 
     def predict_row(self, batch: int, depths: tuple[float, ...]) -> dict[float, float]:
         """Seconds of a step of `batch` sequences at each depth in `depths` (empty before any
         measurement or profile); an unmeasured depth is interpolated (or extrapolated)
         linearly in depth between known neighbours."""
-        return _predict_row(self._points, self._value, batch, depths)
+        return {depth: shape * self.level
+                for depth, shape in self._predict_shape(batch, depths).items()}
 
     def predict(self, batch: int, depth: float) -> float | None:
         return self.predict_row(batch, (depth,)).get(depth)
+
+
+def _shape(point: _CostPoint) -> float:
+    return point.seconds
 
 
 class _CostTable(Generic[P]):
@@ -141,19 +163,22 @@ class _CostTable(Generic[P]):
 @dataclass(slots=True)
 class _CostPoint:
     seconds: float
+    """The shape: seconds at level 1 (see `StepCostModel`)."""
     weight: float
     """How many steps the mean stands for (capped: an EWMA from then on)."""
     measured: bool = True
-    """False while the point is only profiled (its level is then scaled)."""
+    """False while the point is only profiled."""
     steps: int = 0
     """Steps observed at the point (its weight also counts the prior it started from)."""
 
 
 def _predict_row(table: _CostTable[P], value: Callable[[P], float], batch: int,
-                 depths: tuple[float, ...]) -> dict[float, float]:
+                 depths: tuple[float, ...],
+                 shape: Callable[[int], float | None] | None = None) -> dict[float, float]:
     """Per depth in `depths`, the cost at `batch` from a table of depth -> batch -> point:
-    piecewise-linear in batch per known depth, made non-decreasing in depth, then
-    piecewise-linear in depth.
+    piecewise-linear in batch per known depth, made non-decreasing in depth (at least as
+    steeply as `shape`, a reference cost at `batch` per depth, where it knows both depths),
+    then piecewise-linear in depth.
 
     Only the depths measured on both sides of `batch` (or at it) take part while there are
     two: a depth seen at one far batch size would otherwise be extrapolated flat to every
@@ -166,14 +191,25 @@ def _predict_row(table: _CostTable[P], value: Callable[[P], float], batch: int,
         known = bracketing
     if not known:
         return {}
-    at_batch, floor = {}, 0.0
+    at_batch: dict[int, float] = {}
+    shallower: tuple[int, float] | None = None  # the depth before, and its cost
     for depth in known:
         points = table.points[depth]
         here = value(points[batch]) if batch in points else \
             _interpolate(batch, batches[depth], lambda b, points=points: value(points[b]))
-        floor = max(floor, here)
-        at_batch[depth] = floor
+        if shallower is not None:
+            here = max(here, shallower[1] * _growth(shape, shallower[0], depth))
+        at_batch[depth] = here
+        shallower = (depth, here)
     return {d: _interpolate(d, known, at_batch.__getitem__) for d in depths}
+
+
+def _growth(shape: Callable[[int], float | None] | None, shallow: int, deep: int) -> float:
+    """How much dearer `deep` is than `shallow` by `shape` (1 where it does not say)."""
+    if shape is None:
+        return 1.0
+    low, high = shape(shallow), shape(deep)
+    return max(1.0, high / low) if low and high else 1.0
 
 
 def _interpolate(x: float, known: list[int], value_at: Callable[[int], float]) -> float:

@@ -662,13 +662,58 @@ def test_step_costs_scale_the_profile_to_the_measured_level():
         costs.seed(StepCost(*row))
     for _ in range(60):  # the app's K=1 steps at batch 32 take twice the profile's
         costs.observe(StepCost(32, 1, 2 * 0.0294))
-    assert costs.scale == pytest.approx(2.0, rel=0.05)
+    assert costs.level == pytest.approx(2.0, rel=0.05)
     assert costs.predict(32, 1) == pytest.approx(2 * 0.0294, rel=0.05)
     assert costs.predict(32, 0) == pytest.approx(2 * 0.0235, rel=0.05)
     assert costs.predict(8, 7) == pytest.approx(2 * 0.0209, rel=0.05)
     unprofiled = StepCostModel(decay=0.98)
     unprofiled.observe(StepCost(8, 3, 0.05))
-    assert unprofiled.scale == 1.0 and unprofiled.predict(8, 3) == pytest.approx(0.05)
+    assert unprofiled.level == 1.0 and unprofiled.predict(8, 3) == pytest.approx(0.05)
+
+
+def test_step_costs_price_every_tier_at_the_level_the_machine_runs_now():
+    """The machine's speed moves within seconds and a tier is measured only while it runs:
+    a tier measured in a calm spell must not look cheap beside one measured now. Every tier
+    follows the level its running tier measures; the profile's shape stays between them."""
+    profile = [(8, 3, 0.0071), (8, 7, 0.0097), (8, 15, 0.0150)]
+    costs = StepCostModel(decay=0.98)
+    for row in profile:
+        costs.seed(StepCost(*row))
+    for seconds in (0.0160, 0.0240):  # K=3 runs on, the machine gets busier
+        for _ in range(60):
+            costs.observe(StepCost(8, 3, seconds))
+        assert costs.predict(8, 3) == pytest.approx(seconds, rel=0.03)
+        assert costs.predict(8, 7) == pytest.approx(seconds * 97 / 71, rel=0.03)
+        assert costs.predict(8, 15) == pytest.approx(seconds * 150 / 71, rel=0.03)
+    for _ in range(150):  # K=7 measures 1.22x what the profile's shape says
+        costs.observe(StepCost(8, 7, 0.0400))
+    assert costs.predict(8, 7) == pytest.approx(0.0400, rel=0.03)
+    ratio = costs.predict(8, 7) / costs.predict(8, 3)
+    assert 97 / 71 * 1.05 < ratio < 0.0400 / 0.0240, \
+        "learned at the switch, against the level K=3 set (which also moves a little)"
+
+
+def test_a_deeper_depth_costs_at_least_the_profiles_ratio_more_than_a_shallower_one():
+    """A deep tier that measured as cheap as a shallower one (by luck, or a fast spell) must
+    not win on its tokens: at a batch size it is priced at least at the shallower one's
+    price times the profile's ratio between them. The tier running is still priced at what
+    it measures; without a profile the floor is the shallower price itself."""
+    profile = [(8, 3, 0.0071), (8, 7, 0.0097), (8, 15, 0.0150)]
+    costs, unprofiled = StepCostModel(decay=0.98), StepCostModel(decay=0.98)
+    for row in profile:
+        costs.seed(StepCost(*row))
+    for model in (costs, unprofiled):
+        for _ in range(60):
+            model.observe(StepCost(8, 3, 0.0160))
+        for _ in range(100):  # K=7 measured no dearer than K=3
+            model.observe(StepCost(8, 7, 0.0160))
+    assert costs.predict(8, 7) == pytest.approx(0.0160, rel=0.03)
+    assert costs.predict(8, 7) >= costs.predict(8, 3) * 97 / 71 * 0.999
+    assert costs.predict(8, 15) >= costs.predict(8, 7) * 150 / 97 * 0.999
+    assert costs.predict(8, 5) == pytest.approx((costs.predict(8, 3) + costs.predict(8, 7))
+                                                / 2), "between known depths: linear"
+    assert unprofiled.predict(8, 7) == pytest.approx(unprofiled.predict(8, 3)), \
+        "no shape to keep: only never cheaper"
 
 
 def test_goodput_reports_the_step_costs_it_learned_as_a_profile_to_start_from():
