@@ -50,9 +50,10 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   simulator do; see `BatchAcceptance.steady`): 1 + q * sum p[k] is the mean
   over the batch as it is now, and a deeper K changes the batch (the landing requests
   finish sooner and the others take their slots).
-- Step costs are measured on this replica every step (seeded by a profile table scaled to the
-  measured level), not only profiled once, and interpolated piecewise in batch size so the
-  regime knee is kept.
+- Step costs are measured on this replica every step (seeded by a profile table), not only
+  profiled once, as the machine's level now times a shape per batch and depth, so tiers
+  measured in different spells of a shared machine are compared at one level; the shape is
+  interpolated piecewise in batch size so the regime knee is kept (see `StepCostModel`).
 - A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate. The
   dwell does not hold a tier when a request of a new class arrives (`Signals.new_class`):
   its class prices it before its first step (see `ControlLoop.tick`). The
@@ -271,7 +272,7 @@ class GoodputPolicy:
     def learned_profile(self) -> list[tuple[int, int, float]]:
         """The step costs this replica now predicts, as `GoodputConfig.profile` rows
         (batch, draft tokens per sequence, seconds): the points it measured (from
-        `LEARNED_PROFILE_MIN_STEPS` steps up) and the seeded ones scaled to its measured level
+        `LEARNED_PROFILE_MIN_STEPS` steps up) and the seeded ones, all at its level now
         (see `StepCostModel.profile_rows`). A deployment's `profile` replaced by them starts
         from this machine's costs rather than the shipped ones."""
         return [(cost.batch, cost.depth, round(cost.seconds, 6))
