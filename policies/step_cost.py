@@ -174,10 +174,11 @@ class _CostPoint:
 
 def _predict_row(table: _CostTable[P], value: Callable[[P], float], batch: int,
                  depths: tuple[float, ...],
-                 shape: Callable[[int], float | None] | None = None) -> dict[float, float]:
+                 reference: Callable[[int], float | None] | None = None
+                 ) -> dict[float, float]:
     """Per depth in `depths`, the cost at `batch` from a table of depth -> batch -> point:
     piecewise-linear in batch per known depth, made non-decreasing in depth (at least as
-    steeply as `shape`, a reference cost at `batch` per depth, where it knows both depths),
+    steeply as `reference`, the profile's cost at `batch` per depth, where it knows both),
     then piecewise-linear in depth.
 
     Only the depths measured on both sides of `batch` (or at it) take part while there are
@@ -198,17 +199,18 @@ def _predict_row(table: _CostTable[P], value: Callable[[P], float], batch: int,
         here = value(points[batch]) if batch in points else \
             _interpolate(batch, batches[depth], lambda b, points=points: value(points[b]))
         if shallower is not None:
-            here = max(here, shallower[1] * _growth(shape, shallower[0], depth))
+            here = max(here, shallower[1] * _growth(reference, shallower[0], depth))
         at_batch[depth] = here
         shallower = (depth, here)
     return {d: _interpolate(d, known, at_batch.__getitem__) for d in depths}
 
 
-def _growth(shape: Callable[[int], float | None] | None, shallow: int, deep: int) -> float:
-    """How much dearer `deep` is than `shallow` by `shape` (1 where it does not say)."""
-    if shape is None:
+def _growth(reference: Callable[[int], float | None] | None, shallow: int, deep: int
+            ) -> float:
+    """How much dearer `deep` is than `shallow` by `reference` (1 where it does not say)."""
+    if reference is None:
         return 1.0
-    low, high = shape(shallow), shape(deep)
+    low, high = reference(shallow), reference(deep)
     return max(1.0, high / low) if low and high else 1.0
 
 
