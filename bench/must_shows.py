@@ -7,7 +7,10 @@ the results it was read from.
 
 `bench/results/must_shows.json` names the saved runs each HTTP bar pools (`pooled`) and its
 latest run (`last`, the file the suite writes); the latest joins the pool unless it is one
-of the saved runs already, so a new suite run counts at once. The rules:
+of the saved runs already, so a new suite run counts at once. A bar may also name the runs
+of the code as it stands (`current`: `since`, what changed, and its `pooled` runs; the
+latest joins them too): older runs measured an older policy, so those rounds get rows of
+their own, judged by the same rules, next to the rows of every run. The rules:
 
 - HTTP, overall: an adaptive mode over the best static, round by round over every pooled
   round, as a geometric mean with its 95% interval (`RatioInterval`), against each static
@@ -62,11 +65,12 @@ class Judged:
         return f"{self.interval or 'n/a'} of {self.static}"
 
 
-def runs_of(bar: dict[str, Any], results: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The bar's saved runs, with its latest run unless it equals one of them (the suite
+def runs_of(names: list[str], last_name: str,
+            results: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The saved runs `names`, with the latest run unless it equals one of them (the suite
     rewrites the latest; a copy saved under another name is the same run); and the latest."""
-    runs = [json.loads((results / name).read_text()) for name in bar["pooled"]]
-    last = json.loads((results / bar["last"]).read_text())
+    runs = [json.loads((results / name).read_text()) for name in names]
+    last = json.loads((results / last_name).read_text())
     return (runs if last in runs else [*runs, last]), last
 
 
@@ -104,24 +108,34 @@ def last_run_cell(run: dict[str, Any], mode: str) -> str:
 
 
 def http_rows(bar: dict[str, Any], results: Path) -> list[list[str]]:
-    """One row per adaptive mode of the bar's runs; a mode the latest run has and some other
+    """The bar's rows over every run it pools, then over the current code's runs where it
+    names them."""
+    rows = judged_rows(bar["bar"], *runs_of(bar["pooled"], bar["last"], results))
+    if current := bar.get("current"):
+        label = f"{bar['bar']}, since {current['since']}"
+        rows += judged_rows(label, *runs_of(current["pooled"], bar["last"], results))
+    return rows
+
+
+def judged_rows(label: str, runs: list[dict[str, Any]],
+                last: dict[str, Any]) -> list[list[str]]:
+    """One row per adaptive mode of these runs; a mode the latest run has and some other
     run lacks is named and not judged (its rounds would not pair with every run's statics).
     A mode only older runs have was a variant the suite no longer runs: not a bar."""
-    runs, last = runs_of(bar, results)
     try:
         pooled = pool(runs) if len(runs) > 1 else last
     except ValueError as error:
-        raise ValueError(f"{bar['bar']}: {error}") from error
+        raise ValueError(f"{label}: {error}") from error
     left_out = pooled.get("pooled", {}).get("modes_left_out", [])
     rows = []
     for mode in (m for m in pooled["modes"] if not is_static(m)):
         overall = judge(runs, pooled, mode, OVERALL_BAR)
         phases = {phase: judge(runs, pooled, mode, PHASE_BAR, phase)
                   for phase in pooled["phases"]}
-        rows.append([f"{bar['bar']}: `{mode}`", last_run_cell(last, mode),
+        rows.append([f"{label}: `{mode}`", last_run_cell(last, mode),
                      pooled_cell(runs, pooled, overall, phases, left_out),
                      http_verdict(last, mode, overall, phases)])
-    rows += [[f"{bar['bar']}: `{mode}`", "-", "-", "not judged: not in every run"]
+    rows += [[f"{label}: `{mode}`", "-", "-", "not judged: not in every run"]
              for mode in left_out if not is_static(mode) and mode in last["modes"]]
     return rows
 

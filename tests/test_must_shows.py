@@ -140,6 +140,29 @@ def test_a_mode_some_run_lacks_is_named_and_not_judged(tmp_path):
     assert "goodput_variant" not in table
 
 
+def test_the_current_codes_runs_are_judged_apart_from_the_older_ones(tmp_path):
+    """Rounds of an older policy pull the pool below the bar; the rows since the change
+    judge only the runs named as the current code's, with the latest among them."""
+    runs = {"old.json": a_run(steady(100.0, [0.85, 0.86, 0.84])),
+            "new.json": a_run(steady(100.0, [1.10, 1.12, 1.11])),
+            "latest.json": a_run(steady(120.0, [1.09, 1.13, 1.10]))}
+    for name, run in runs.items():
+        (tmp_path / name).write_text(json.dumps(run))
+    (tmp_path / "must_shows.json").write_text(json.dumps(
+        {"http": [{"bar": "transition", "last": "latest.json",
+                   "pooled": ["old.json", "new.json"],
+                   "current": {"since": "the fix", "pooled": ["new.json"]}}],
+         "cluster": "cluster.json"}))
+    (tmp_path / "cluster.json").write_text(json.dumps(a_cluster_run()))
+    table = must_shows.render(tmp_path)
+    every_run = verdict_row(table, "transition: `goodput`")
+    current = verdict_row(table, "transition, since the fix: `goodput`")
+    assert every_run[2].startswith("3 runs, 9 rounds")
+    assert every_run[3].startswith("overall **not resolved**")
+    assert current[2].startswith("2 runs, 6 rounds")
+    assert current[3].startswith("overall **met**")
+
+
 def test_the_latest_run_joins_the_pool_once(tmp_path):
     run = a_run(steady(100.0, [1.0, 1.1, 0.95]))
     table = table_of(tmp_path, {"saved.json": run, "latest.json": run}, ["saved.json"],
