@@ -65,13 +65,10 @@ class Judged:
         return f"{self.interval or 'n/a'} of {self.static}"
 
 
-def runs_of(names: list[str], last_name: str,
-            results: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The saved runs `names`, with the latest run unless it equals one of them (the suite
-    rewrites the latest; a copy saved under another name is the same run); and the latest."""
-    runs = [json.loads((results / name).read_text()) for name in names]
-    last = json.loads((results / last_name).read_text())
-    return (runs if last in runs else [*runs, last]), last
+def with_latest(runs: list[dict[str, Any]], last: dict[str, Any]) -> list[dict[str, Any]]:
+    """The saved runs with the latest unless it equals one of them (the suite rewrites the
+    latest; a copy saved under another name is the same run)."""
+    return runs if last in runs else [*runs, last]
 
 
 def judge(runs: list[dict[str, Any]], pooled: dict[str, Any], mode: str, bar: float,
@@ -110,10 +107,14 @@ def last_run_cell(run: dict[str, Any], mode: str) -> str:
 def http_rows(bar: dict[str, Any], results: Path) -> list[list[str]]:
     """The bar's rows over every run it pools, then over the current code's runs where it
     names them."""
-    rows = judged_rows(bar["bar"], *runs_of(bar["pooled"], bar["last"], results))
-    if current := bar.get("current"):
-        label = f"{bar['bar']}, since {current['since']}"
-        rows += judged_rows(label, *runs_of(current["pooled"], bar["last"], results))
+    current = bar.get("current")
+    names = {*bar["pooled"], *(current["pooled"] if current else ()), bar["last"]}
+    saved = {name: json.loads((results / name).read_text()) for name in names}
+    last = saved[bar["last"]]
+    rows = judged_rows(bar["bar"], with_latest([saved[n] for n in bar["pooled"]], last), last)
+    if current:
+        rows += judged_rows(f"{bar['bar']}, since {current['since']}",
+                            with_latest([saved[n] for n in current["pooled"]], last), last)
     return rows
 
 

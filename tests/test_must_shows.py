@@ -36,12 +36,13 @@ def steady(base: float, ratios: list[float]) -> dict[str, list[dict]]:
             "goodput": [a_round(base * r) for r in ratios]}
 
 
-def table_of(tmp_path: Path, runs: dict[str, dict], pooled: list[str], last: str) -> str:
+def table_of(tmp_path: Path, runs: dict[str, dict], pooled: list[str], last: str,
+             current: dict | None = None) -> str:
     for name, run in runs.items():
         (tmp_path / name).write_text(json.dumps(run))
+    bar = {"bar": "transition", "last": last, "pooled": pooled}
     (tmp_path / "must_shows.json").write_text(json.dumps(
-        {"http": [{"bar": "transition", "last": last, "pooled": pooled}],
-         "cluster": "cluster.json"}))
+        {"http": [{**bar, "current": current} if current else bar], "cluster": "cluster.json"}))
     (tmp_path / "cluster.json").write_text(json.dumps(a_cluster_run()))
     return must_shows.render(tmp_path)
 
@@ -146,15 +147,8 @@ def test_the_current_codes_runs_are_judged_apart_from_the_older_ones(tmp_path):
     runs = {"old.json": a_run(steady(100.0, [0.85, 0.86, 0.84])),
             "new.json": a_run(steady(100.0, [1.10, 1.12, 1.11])),
             "latest.json": a_run(steady(120.0, [1.09, 1.13, 1.10]))}
-    for name, run in runs.items():
-        (tmp_path / name).write_text(json.dumps(run))
-    (tmp_path / "must_shows.json").write_text(json.dumps(
-        {"http": [{"bar": "transition", "last": "latest.json",
-                   "pooled": ["old.json", "new.json"],
-                   "current": {"since": "the fix", "pooled": ["new.json"]}}],
-         "cluster": "cluster.json"}))
-    (tmp_path / "cluster.json").write_text(json.dumps(a_cluster_run()))
-    table = must_shows.render(tmp_path)
+    table = table_of(tmp_path, runs, ["old.json", "new.json"], "latest.json",
+                     current={"since": "the fix", "pooled": ["new.json"]})
     every_run = verdict_row(table, "transition: `goodput`")
     current = verdict_row(table, "transition, since the fix: `goodput`")
     assert every_run[2].startswith("3 runs, 9 rounds")
