@@ -128,9 +128,12 @@ class GoodputConfig(BaseModel):
     max_probe_backoff: int = Field(8, ge=1)
     """Each probe in a row that finds nothing doubles the interval before the next, up to this
     many times `probe_interval_steps` (1: a probe every interval)."""
-    cost_decay: float = Field(0.98, gt=0, le=1)
-    """Per-observation decay of a measured step cost (the EWMA takes 1 - decay of each new
-    step): slow, because step wall times on a shared machine jitter by tens of percent."""
+    cost_decay: float = Field(0.999, gt=0, le=1)
+    """Per-observation decay of a measured step cost's shape (the EWMA takes 1 - decay of each
+    new step; a profiled point starts worth 1 / (1 - decay) steps): slow, because step wall
+    times on a shared machine jitter by tens of percent, and its speed, which moves within
+    seconds, is learned apart (see `StepCostModel`). 1 never forgets: a profile stays as
+    given."""
     draft_caps: bool = True
     """Cap each request's drafts at the positions worth verifying, where the engine can
     (`Signals.draft_caps_apply`): in a batch that mixes requests whose drafts land with
@@ -331,7 +334,8 @@ class GoodputPolicy:
         # The dwell holds a tier against noisy measurements; a new class's arrival is news.
         if self._steps_on_tier < self.config.min_dwell_steps and not signals.new_class:
             return Decision(current, "dwell", inputs, caps_by_k.get(current))
-        decision = self._decide_after_dwell(signals, current, scores, best, inputs, caps_by_k)
+        decision = self._decide_after_dwell(signals, current, scores, best, inputs, caps_by_k,
+                                            parts)
         self._judge_probe(current, decision.k, backs_off=bool(signals.class_prior))
         return decision
 
@@ -359,7 +363,8 @@ class GoodputPolicy:
 
     def _decide_after_dwell(self, signals: Signals, current: int, scores: dict[int, float],
                             best: int, inputs: dict[str, float],
-                            caps_by_k: dict[int, dict[str, int]]) -> Decision:
+                            caps_by_k: dict[int, dict[str, int]],
+                            parts: dict[int, tuple[float, float]]) -> Decision:
         deeper = [k for k in self.candidates if k > current]
         expected = self._tier_the_classes_expect(signals, deeper) \
             if current == 0 and deeper else None
@@ -388,12 +393,24 @@ class GoodputPolicy:
                             inputs, caps_by_k.get(best))
         floor = self._floor(signals)
         if floor < current and scores[floor] * (1 + DRAFT_TIE) >= scores[current] and \
+                self._buys_nothing(parts, current, floor) and \
                 not self._idle_drafter(signals, current, floor):
             self._steps_on_tier = 0  # drafting must earn its margin; this tier buys nothing
             return Decision(floor, f"drafts at K={current} buy nothing over K={floor}",
                             inputs, caps_by_k.get(floor))
         return Decision(current, "current tier is within the margin of the best", inputs,
                         caps_by_k.get(current))
+
+    def _buys_nothing(self, parts: dict[int, tuple[float, float]], tier: int, floor: int
+                      ) -> bool:
+        """Whether `tier`'s drafts buy less than the switch margin in tokens a sequence-step
+        over `floor`'s. Only such a tier is left for a tie with the floor: a tier whose
+        drafts do land and whose price ties it (a draft model on sampled text: K=1 lands
+        0.27 a step at 1.1-1.3x K=0's step) ties on a price the app measures with tens of
+        percent of jitter, and leaving it without the margin sent both replicas of the
+        draft-model transition from K=1 to K=0 24 times in two rounds over HTTP, the price
+        noise sending them back."""
+        return parts[tier][0] <= parts[floor][0] * (1 + self.config.switch_margin)
 
     def _idle_drafter(self, signals: Signals, tier: int, floor: int) -> bool:
         """Whether `tier` verifies less than one draft per sequence a step (the drafter

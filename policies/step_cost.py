@@ -42,8 +42,16 @@ class StepCostModel:
     straight line would smear. Step wall times jitter by tens of percent, so two rules keep
     noise from choosing the tier:
     - a point is a running mean that becomes an EWMA (a new step weighs at least 1 - decay);
-      a batch size seen for the first time starts from what its neighbours predict, worth
-      `PRIOR_STEPS` steps, rather than from one raw sample;
+      without a profile, a batch size seen for the first time starts from what its
+      neighbours predict, worth `PRIOR_STEPS` steps, rather than from one raw sample;
+    - with a profile, a profiled point, and a point the profile interpolates, starts worth
+      the EWMA's whole memory (1 / (1 - decay) steps): its shape then moves only on evidence
+      the level does not explain, gathered over many switches. A point worth a few steps
+      took the level's error at the switch that made it (the level follows the tier before
+      for its first steps) and kept it: over HTTP (draft-model transition) K=1 was priced at
+      1.0-4.1x K=0's step at one decision and another, against 1.10x measured over the run
+      and 1.19x in the profile, and the replicas switched between the two 78 times in three
+      rounds; with the profile worth the memory, 4 times, each pricing K=1 at 1.17-1.19x;
     - at a batch size, predictions never fall as the depth grows (verifying more tokens does
       not cost less): a deep tier that looked cheap by luck would otherwise win with nothing
       accepted. With a profile they grow at least as steeply as its do. Raised only to
@@ -71,8 +79,8 @@ class StepCostModel:
         """Measured step seconds over the shape's (1 until measured)."""
 
     def seed(self, cost: StepCost) -> None:
-        """A profiled point, worth `PRIOR_STEPS` measured steps."""
-        self._points.set(cost.depth, cost.batch, _CostPoint(cost.seconds, self.PRIOR_STEPS,
+        """A profiled point, worth a whole memory of measured steps (see the class)."""
+        self._points.set(cost.depth, cost.batch, _CostPoint(cost.seconds, self.max_weight,
                                                             measured=False))
         self._profile.set(cost.depth, cost.batch, cost.seconds)
         self._profiled.clear()
@@ -89,7 +97,8 @@ class StepCostModel:
         point = self._points.get(cost.depth, cost.batch)
         if point is None:
             point = _CostPoint(cost.seconds / self.level, 0.0) if shape is None else \
-                _CostPoint(shape, self.PRIOR_STEPS)
+                _CostPoint(shape, self.PRIOR_STEPS if self._profiled_seconds(
+                    cost.batch, cost.depth) is None else self.max_weight)
             self._points.set(cost.depth, cost.batch, point)
         point.measured = True
         point.weight = min(point.weight + 1, self.max_weight)
