@@ -57,9 +57,10 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
 - A switch margin and a minimum dwell stop ping-pong; K=0 is an ordinary candidate. The
   dwell does not hold a tier when a request of a new class arrives (`Signals.new_class`):
   its class prices it before its first step (see `ControlLoop.tick`). The
-  burden of proof is on drafting: a drafting tier within `DRAFT_TIE` of the floor is left
-  for it without the margin, unless its drafter leaves its slots nearly empty, so its steps
-  cost the floor's (see `_idle_drafter`).
+  burden of proof is on drafting: a drafting tier within `DRAFT_TIE` of the floor whose
+  drafts buy less than the margin in tokens is left for it without the margin (see
+  `_buys_nothing`), unless its drafter leaves its slots nearly empty, so its steps cost the
+  floor's (see `_idle_drafter`).
 - With `tpot_slo_ms`, only the tokens of requests the tier keeps within that time per
   output token count (DistServe's goodput; see `GoodputConfig.tpot_slo_ms`).
 - A shift in first-position acceptance beyond `shift_threshold` restarts the acceptance
@@ -83,14 +84,15 @@ from policies.acceptance import (
 from policies.signals import Decision, Signals, StepCost
 from policies.step_cost import DraftFill, StepCostModel
 
-# A drafting tier is kept only while it beats the floor (K=0, or the smallest drafting tier:
-# see `GoodputPolicy._floor`) by this share. The switch margin guards a move either way
-# against noise, but a tier whose drafts buy nothing ties the floor: predicted cost never
-# falls as K grows, so a tier measured cheaper than K=0 was, earlier and on a faster spell of
-# the machine, scores the same as K=0 and the margin would hold it (over HTTP both replicas
-# kept K=3 through a sampled phase where nothing landed). Only against the floor: between two
-# drafting tiers that tie, the deeper one keeps measuring the deep positions (a replay that
-# also left deep tiers for shallower ties fell from 1.52x to 1.36x the best static).
+# A drafting tier whose drafts buy (nearly) nothing is kept only while it beats the floor
+# (K=0, or the smallest drafting tier: see `GoodputPolicy._floor`) by this share. The switch
+# margin guards a move either way against noise, but a tier whose drafts buy nothing ties
+# the floor: predicted cost never falls as K grows, so a tier measured cheaper than K=0 was,
+# earlier and on a faster spell of the machine, scores the same as K=0 and the margin would
+# hold it (over HTTP both replicas kept K=3 through a sampled phase where nothing landed).
+# Only against the floor: between two drafting tiers that tie, the deeper one keeps measuring
+# the deep positions (a replay that also left deep tiers for shallower ties fell from 1.52x
+# to 1.36x the best static).
 DRAFT_TIE = 0.01
 # Steps a measured (batch, depth) point needs before `GoodputPolicy.learned_profile` reports
 # it: a point seen a few times holds the jitter of those few steps (and its prior's share).
