@@ -39,7 +39,7 @@ class StepCostModel:
 
     The shape, per depth, is piecewise-linear in batch size: it follows the knee between
     the memory-bound regime (flat in batch x depth) and the compute-bound one, which one
-    straight line would smear. Step wall times jitter by tens of percent, so two rules keep
+    straight line would smear. Step wall times jitter by tens of percent, so three rules keep
     noise from choosing the tier:
     - a point is a running mean that becomes an EWMA (a new step weighs at least 1 - decay);
       without a profile, a batch size seen for the first time starts from what its
