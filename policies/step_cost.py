@@ -97,8 +97,7 @@ class StepCostModel:
         point = self._points.get(cost.depth, cost.batch)
         if point is None:
             point = _CostPoint(cost.seconds / self.level, 0.0) if shape is None else \
-                _CostPoint(shape, self.PRIOR_STEPS if self._profiled_seconds(
-                    cost.batch, cost.depth) is None else self.max_weight)
+                _CostPoint(shape, self.max_weight if self._profile.depths else self.PRIOR_STEPS)
             self._points.set(cost.depth, cost.batch, point)
         point.measured = True
         point.weight = min(point.weight + 1, self.max_weight)
