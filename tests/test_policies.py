@@ -489,7 +489,8 @@ def test_a_request_without_outcomes_weighs_in_a_busy_batch_as_a_request_of_its_c
 def test_goodput_reports_what_the_window_measured_beside_its_estimates():
     """A decision's inputs carry the tokens per sequence-step and the step time the window
     just run gave, beside the estimates for the same tier, and every tier's score: a decision
-    log then shows how far the estimate was off, and how near the other tiers came. A window at K=0 drafted nothing, so it measures no tokens."""
+    log then shows how far the estimate was off, and how near the other tiers came. A window
+    at K=0 drafted nothing, so it measures no tokens."""
     policy = goodput()
     signals = window(3, 0.5, batch=4)
     step_costs = (StepCost(4, 3, 0.010), StepCost(4, 3, 0.014))
