@@ -323,9 +323,10 @@ class GoodputPolicy:
                   # The share of the current tier's slots the drafter is expected to fill.
                   "draft_fill": self.fill.verified(current) / current if current
                   else self.fill.share,
-                  # Every tier's score: a decision log (or a switch's span) shows how near
-                  # the tiers it did not take came.
-                  **{f"score_k{k}": score for k, score in scores.items()}}
+                  # Every tier's score and tokens per sequence-step: a decision log (or a
+                  # switch's span) shows how near the tiers it did not take came, and why.
+                  **{f"score_k{k}": score for k, score in scores.items()},
+                  **{f"tokens_k{k}": length for k, (length, _) in parts.items()}}
         if signals.drafting_sequence_steps:  # what the window just ran gave, beside the estimate
             inputs["tokens_measured"] = 1 + signals.accepted_tokens / \
                 signals.drafting_sequence_steps

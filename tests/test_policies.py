@@ -488,9 +488,9 @@ def test_a_request_without_outcomes_weighs_in_a_busy_batch_as_a_request_of_its_c
 
 def test_goodput_reports_what_the_window_measured_beside_its_estimates():
     """A decision's inputs carry the tokens per sequence-step and the step time the window
-    just run gave, beside the estimates for the same tier, and every tier's score: a decision
-    log then shows how far the estimate was off, and how near the other tiers came. A window
-    at K=0 drafted nothing, so it measures no tokens."""
+    just run gave, beside the estimates for the same tier, and every tier's score and
+    tokens: a decision log then shows how far the estimate was off, and how near the other
+    tiers came. A window at K=0 drafted nothing, so it measures no tokens."""
     policy = goodput()
     signals = window(3, 0.5, batch=4)
     step_costs = (StepCost(4, 3, 0.010), StepCost(4, 3, 0.014))
@@ -501,10 +501,14 @@ def test_goodput_reports_what_the_window_measured_beside_its_estimates():
     assert decision.inputs["step_ms_measured"] == pytest.approx(12.0)
     at_zero = policy.decide(window(0, 0.5, batch=4))
     assert "tokens_measured" not in at_zero.inputs and "step_ms_measured" not in at_zero.inputs
-    # Every tier's score, so a log shows how near the tiers not taken came.
+    # Every tier's score and tokens, so a log shows how near the tiers not taken came, and
+    # whether by their tokens or by their price.
     tier_scores = {k: decision.inputs[f"score_k{k}"] for k in policy.candidates}
     assert max(tier_scores.values()) == pytest.approx(decision.inputs["score_best"])
     assert tier_scores[3] == pytest.approx(decision.inputs["score_current"])
+    tier_tokens = {k: decision.inputs[f"tokens_k{k}"] for k in policy.candidates}
+    assert tier_tokens[3] == pytest.approx(decision.inputs["tokens_current"])
+    assert tier_tokens[0] == 1.0 and tier_tokens[1] < tier_tokens[3] < tier_tokens[15]
 
 
 def test_goodput_caps_the_failing_requests_drafts_and_goes_deep_for_the_copies():
