@@ -42,7 +42,6 @@ from replicas.engines.sim_presets import (
     Acceptance,
     AcceptanceTable,
     SimPreset,
-    draw_runs,
 )
 from replicas.engines.spec import EngineSpec
 
@@ -122,6 +121,7 @@ class SimulatedEngine:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._active = np.zeros(max_num_seqs, bool)
         self._left = np.zeros(max_num_seqs, np.int64)  # tokens still to generate
+        self._made = np.zeros(max_num_seqs, np.int64)  # tokens generated (a replay's position)
         # Per slot, its request's acceptance (a column of `AcceptanceTable.params`).
         self._slot_params = np.zeros((self._table.params.shape[0], max_num_seqs))
         self._slot_request = np.full(max_num_seqs, "", object)  # request id
@@ -231,6 +231,7 @@ class SimulatedEngine:
             self._slots[slot] = entry
             self._active[slot] = True
             self._left[slot] = entry.request.max_tokens
+            self._made[slot] = 0
             self._cap[slot] = self.kmax
             self._slot_params[:, slot] = self._table.params[:, self._table.index[entry.acceptance]]
             self._slot_request[slot] = entry.request.request_id
@@ -338,9 +339,10 @@ class SimulatedEngine:
         seconds = self.preset.step_seconds(size, k, draft_tokens)
         if self.step_jitter or self.step_drift:
             seconds *= self._machine_factor()
-        runs = draw_runs(self._rng, k, self._slot_params, depth)
+        runs = self._table.draw_runs(self._rng, k, self._slot_params, depth, self._made)
         tokens = np.minimum(runs + 1, self._left)  # free slots have nothing left: 0
         self._left -= tokens
+        self._made += tokens
         finished = active & (self._left == 0)
         column = self._totals.steps % REQUEST_WINDOW  # this step's, counted at its end
         self._window[0, :, column], self._window[1, :, column] = runs, depth

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -22,28 +24,48 @@ class Acceptance:
     `copy_share`; drafts are accepted position by position until the first miss. One geometric
     rate alone cannot reproduce published acceptance lengths that keep growing up to K=15.
 
-    `max_run` cuts every run at that many positions: a drafter that agrees with the target
-    for a fixed stretch and then diverges, step after step (the demo draft model on some
-    repeated lines accepts exactly 1 or exactly 2 drafts a step, vLLM-CPU at K=7).
+    `agreement` replays a greedy request's text instead: '1' at each output position where
+    the drafter's greedy token matches the target's (the rates are then unused). A step lands
+    the '1's from the request's position on, up to its depth, and the next starts one past
+    them (a correction or a bonus token), as `step_runs`; past its end the text repeats. What
+    a draft position lands then depends on the depth, as it does on the real models (see
+    `bench.greedy_agreement`), which no rate per position reproduces.
     """
 
-    free_rate: float
+    free_rate: float = 0.0
     copy_share: float = 0.0
     copy_rate: float = 0.999
-    max_run: int | None = None
+    agreement: str = ""
 
     def __post_init__(self) -> None:
         for rate in (self.free_rate, self.copy_rate):
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"acceptance rate {rate} outside [0, 1]")
-        if self.max_run is not None and self.max_run < 0:
-            raise ValueError(f"max_run {self.max_run} is negative")
+        if set(self.agreement) - {"0", "1"}:
+            raise ValueError("agreement holds '0' and '1' only")
 
     def mean_run(self, k: int) -> float:
-        """Expected drafts accepted per step at depth k: sum over j <= k of P(run >= j)."""
-        depth = k if self.max_run is None else min(k, self.max_run)
+        """Expected drafts accepted per step at depth k: sum over j <= k of P(run >= j) (over
+        the text once through, for a replayed agreement)."""
+        if self.agreement:
+            return float(np.mean(step_runs(self.agreement, k)))
         return sum(self.copy_share * self.copy_rate ** j +
-                   (1 - self.copy_share) * self.free_rate ** j for j in range(1, depth + 1))
+                   (1 - self.copy_share) * self.free_rate ** j for j in range(1, k + 1))
+
+
+def step_runs(agreement: str, k: int) -> list[int]:
+    """Drafts landed per step at depth k through `agreement` once, from its start: a step
+    lands drafts until the first '0' or k, then adds the target's token, so the next starts
+    one past its last landed draft."""
+    runs, position = [], 0
+    while position < len(agreement):
+        landed = 0
+        while landed < k and position + landed < len(agreement) and \
+                agreement[position + landed] == "1":
+            landed += 1
+        runs.append(landed)
+        position += landed + 1
+    return runs
 
 
 class AcceptanceTable:
@@ -54,29 +76,62 @@ class AcceptanceTable:
     def __init__(self, classes: Iterable[Acceptance]):
         self.classes = list(dict.fromkeys(classes))
         self.index = {acceptance: i for i, acceptance in enumerate(self.classes)}
-        # [4, classes]: copy share, 1 / ln(copy rate), 1 / ln(free rate), max run
+        replayed = [a.agreement for a in self.classes if a.agreement]
+        # [4, classes]: copy share, 1 / ln(copy rate), 1 / ln(free rate), and the row of
+        # `_runs_from` that replays its agreement (-1: none)
         self.params = np.array([[a.copy_share for a in self.classes],
                                 [_inverse_log(a.copy_rate) for a in self.classes],
                                 [_inverse_log(a.free_rate) for a in self.classes],
-                                [np.inf if a.max_run is None else a.max_run
+                                [replayed.index(a.agreement) if a.agreement else -1
                                  for a in self.classes]])
+        # Per replayed agreement and position: the '1's from there on (the text repeating),
+        # which is the run a step starting there lands below its depth.
+        self._length = np.array([len(a) for a in replayed], np.int64)
+        self._runs_from = np.zeros((len(replayed), max(self._length, default=0)), np.int64)
+        for row, agreement in enumerate(replayed):
+            self._runs_from[row, :len(agreement)] = _runs_from(agreement)
+
+    def draw_runs(self, rng: np.random.Generator, k: int, params: np.ndarray,
+                  depth: np.ndarray | None = None, position: np.ndarray | None = None
+                  ) -> np.ndarray:
+        """Drafts accepted before the first miss, out of k, for one sequence-step of each
+        column of `params` (columns of `params` above): one draw picks the regime, one more
+        the run, by inverting P(run >= j) = rate^j; a replayed agreement's run is its '1's
+        from the column's `position` (output tokens so far; 0 without). `depth`, per column:
+        its most drafts when fewer than k (a cap; acceptance is a prefix, so the run at k is
+        cut there)."""
+        if k == 0:
+            return np.zeros(params.shape[1], np.int64)
+        copy_share, inv_log_copy, inv_log_free, replay = params
+        draws = rng.random((2, params.shape[1]))
+        inv_log = np.where(draws[0] < copy_share, inv_log_copy, inv_log_free)
+        # 1 - draw lies in (0, 1]; a rate of 1 never misses (a NaN from 0 * -inf too: fmin
+        # drops it for the limit). Cut before the cast to integers: the same runs as after it.
+        limit = k if depth is None else depth
+        runs = np.fmin(np.log1p(-draws[1]) * inv_log, limit).astype(np.int64)
+        if self._runs_from.size:
+            rows = replay.astype(np.int64)
+            replayed = rows >= 0
+            if replayed.any():
+                rows = rows[replayed]
+                at = (0 if position is None else position[replayed]) % self._length[rows]
+                runs[replayed] = np.minimum(self._runs_from[rows, at],
+                                            np.broadcast_to(limit, runs.shape)[replayed])
+        return runs
 
 
-def draw_runs(rng: np.random.Generator, k: int, params: np.ndarray,
-              depth: np.ndarray | None = None) -> np.ndarray:
-    """Drafts accepted before the first miss, out of k, for one sequence-step of each column
-    of `params` (`AcceptanceTable.params` of its class): one draw picks the regime, one more
-    the run, by inverting P(run >= j) = rate^j. `depth`, per column: its most drafts when
-    fewer than k (a cap; acceptance is a prefix, so the run drawn at k is cut there)."""
-    if k == 0:
-        return np.zeros(params.shape[1], np.int64)
-    copy_share, inv_log_copy, inv_log_free, max_run = params
-    draws = rng.random((2, params.shape[1]))
-    inv_log = np.where(draws[0] < copy_share, inv_log_copy, inv_log_free)
-    # 1 - draw lies in (0, 1]; a rate of 1 never misses (a NaN from 0 * -inf too: fmin
-    # drops it for the limit). Cut before the cast to integers: the same runs as after it.
-    limit = np.minimum(max_run, k if depth is None else depth)
-    return np.fmin(np.log1p(-draws[1]) * inv_log, limit).astype(np.int64)
+def _runs_from(agreement: str) -> np.ndarray:
+    """Per position, the '1's from there on with the text repeating (a text of '1's only: a
+    run no depth reaches)."""
+    if "0" not in agreement:
+        return np.full(len(agreement), 1 << 30, np.int64)
+    runs = np.zeros(len(agreement), np.int64)
+    run = 0
+    # Twice round, backwards: the second pass carries the runs across the wrap.
+    for position in reversed(range(2 * len(agreement))):
+        run = run + 1 if agreement[position % len(agreement)] == "1" else 0
+        runs[position % len(agreement)] = run
+    return runs
 
 
 def _inverse_log(rate: float) -> float:
@@ -148,6 +203,10 @@ class SimPreset:
         return [acceptance for entry in self.acceptance.values() for acceptance in _types(entry)]
 
 
+# Written by `python -m bench.greedy_agreement --json ...` (see its docstring).
+DEMO_DRAFT_AGREEMENT = Path(__file__).with_name("cpu_demo_draft_agreement.json")
+
+
 def _types(entry: Acceptance | tuple[Acceptance, ...]) -> tuple[Acceptance, ...]:
     """A class's request types: one acceptance is one type."""
     return (entry,) if isinstance(entry, Acceptance) else entry
@@ -165,18 +224,20 @@ PRESETS = {
     # Demo target with the demo draft model on vLLM-CPU: least squares (relative) over the
     # draft model's step times by draft tokens per sequence in bench/results/engine_bench.md
     # (batch 1 and 8, every point within 8%); a draft pass (`per_draft_s`) is paid whatever
-    # the caps. Acceptance per request as the engine showed it at K=7 (eight requests of 256
-    # tokens each, every verify outcome kept): on the eight repeated-line prompts three
-    # requests land every draft, two exactly two a step, two exactly one, and one every other
-    # first draft; on sampled code 0.28 drafts a step, no request far from it, and no runs
-    # (step-to-step correlation 0.08). With the requests weighted by the steps they take, the
-    # types give acceptance lengths 1.92 / 2.59 / 2.95 / 3.17 at K = 1 / 3 / 7 / 15, against
-    # 1.79 / 2.55 / 2.94 / 3.19 over HTTP (the draft-model transition, pooled).
+    # the caps. The eight repeated-line prompts replay the draft model's greedy agreement
+    # with the target on each (bench/results/greedy_agreement.md): with the requests weighted
+    # by the steps they take, acceptance lengths 1.78 / 2.54 / 2.94 / 3.18 at
+    # K = 1 / 3 / 7 / 15, against 1.79 / 2.55 / 2.94 / 3.19 over HTTP (the draft-model
+    # transition, pooled), and the first draft lands in 78% of K=1's steps and 85% of K=3's,
+    # as it does on the engine. (Rates cut at a fixed run, fitted at K=7 before, gave 1.92 at
+    # K=1: a request whose text agrees at two positions of three landed every K=1 step.) On
+    # sampled code 0.28 drafts a step, no request far from it, and no runs (step-to-step
+    # correlation 0.08).
     "cpu-demo-draft": SimPreset(
         "cpu-demo-draft", base_s=2.70e-3, per_seq_s=0.214e-3, per_draft_s=0.229e-3,
         per_token_s=0.0643e-3, model_drafter=True,
-        acceptance={"high": (Acceptance(0.999),) * 3 + (Acceptance(0.999, max_run=2),) * 2 +
-                    (Acceptance(0.999, max_run=1),) * 2 + (Acceptance(0.5, max_run=1),),
+        acceptance={"high": tuple(Acceptance(agreement=entry["agreement"]) for entry in
+                                  json.loads(DEMO_DRAFT_AGREEMENT.read_text())),
                     "low": Acceptance(0.27)}),
     # H20 / Llama-3.1-8B / NGRAM, least-squares fit to the published static-K transition table
     # (design notes: the 16 per-phase throughputs and the 4 mean acceptance lengths, taken as
