@@ -35,7 +35,8 @@ import numpy as np
 from bench.workloads import HIGH
 from replicas.engines.sim_presets import step_runs
 
-TARGET, DRAFT = Path("models/target"), Path("models/draft")
+MODELS = Path(__file__).resolve().parents[1] / "models"
+TARGET, DRAFT = MODELS / "target", MODELS / "draft"
 DEPTHS = (1, 3, 7, 15)
 MAX_TOKENS = 256
 
@@ -51,6 +52,8 @@ class PromptAgreement:
 
 
 def agreements(max_tokens: int = MAX_TOKENS) -> list[PromptAgreement]:
+    """Each HIGH prompt's agreement over the target's first `max_tokens` greedy tokens, and
+    its steps at each depth in `DEPTHS`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
