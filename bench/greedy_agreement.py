@@ -93,20 +93,18 @@ def report(results: list[PromptAgreement]) -> str:
         lines.append(f"| `{r.prompt!r}` | {r.agreement.count('1') / len(r.agreement):.2f} | "
                      f"{cells} |")
     # The phase as a whole: each request's tokens over the steps all of them take.
-    pooled = " | ".join(
-        f"{_pooled_first(results, k):.2f} / "
-        f"{sum(len(r.agreement) for r in results) / _steps(results, k):.2f}" for k in DEPTHS)
-    lines.append(f"| all (steps pooled) | | {pooled} |")
+    pooled, all_tokens = [], sum(len(r.agreement) for r in results)
+    for k in DEPTHS:
+        steps = _steps(results, k)
+        first = sum(s * r.first_rate[k] for s, r in zip(steps, results, strict=True))
+        pooled.append(f"{first / sum(steps):.2f} / {all_tokens / sum(steps):.2f}")
+    lines.append(f"| all (steps pooled) | | {' | '.join(pooled)} |")
     return "\n".join(lines) + "\n"
 
 
-def _steps(results: list[PromptAgreement], k: int) -> float:
-    return sum(len(r.agreement) / r.tokens_per_step[k] for r in results)
-
-
-def _pooled_first(results: list[PromptAgreement], k: int) -> float:
-    steps = [len(r.agreement) / r.tokens_per_step[k] for r in results]
-    return sum(s * r.first_rate[k] for s, r in zip(steps, results, strict=True)) / sum(steps)
+def _steps(results: list[PromptAgreement], k: int) -> list[float]:
+    """Each request's steps at depth k: its tokens over its tokens a step."""
+    return [len(r.agreement) / r.tokens_per_step[k] for r in results]
 
 
 def main() -> None:
