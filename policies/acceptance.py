@@ -8,7 +8,7 @@ at k is the chance position k lands given the positions before it landed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -221,6 +221,27 @@ def batch_acceptance(requests: RequestWindows, landing: list[float], prior_stren
         tokens = tokens.astype(float)
         tokens[new] = requests.lengths[~new].mean() * lengths[min(depth, kmax), new]
     return BatchAcceptance(reach, lengths, tokens, full_runs)
+
+
+def most_tokens_without_landings(guesses: Iterable[Sequence[float]], width: int) -> float:
+    """The most tokens a sequence-step `batch_acceptance` can give a batch at any depth up to
+    `width` when no request in it landed a draft in its window, `guesses` being every guess
+    it may price a request by (the replica's rates, each class prior). A request's rate at a
+    position is its own count shrunk towards the guess's conditional rate, and a count with
+    nothing landed only lowers it, so no request makes more than its guess's
+    `1 + sum_k r_k`, nor does the batch's steady state, a mean of its requests'."""
+    most = 1.0
+    for guess in guesses:
+        if not guess:
+            continue
+        rates = extended_rates(guess[:width], width)
+        reach = rates[0]
+        total = 1.0 + reach
+        for k in range(1, width):
+            reach *= _ratio(rates[k], rates[k - 1])
+            total += reach
+        most = max(most, total)
+    return most
 
 
 def _guesses(landing: list[float], request_priors: Sequence[tuple[float, ...]], rows: int

@@ -63,6 +63,9 @@ dynamic-SD proposal (argmax (1 + sum a_j) / ITL(B, K)). Differences:
   floor's (see `_idle_drafter`).
 - With `tpot_slo_ms`, only the tokens of requests the tier keeps within that time per
   output token count (DistServe's goodput; see `GoodputConfig.tpot_slo_ms`).
+- At K=0 on traffic whose drafts do not land, no tier is scored when a bound shows none
+  could beat K=0 by the margin (see `_hold_k0`): the decision scoring would make, without
+  the CPU that the engines share on a small machine.
 - A shift in first-position acceptance beyond `shift_threshold` restarts the acceptance
   estimate (and sets the lagging prior aside for a few decisions): at a phase change
   the decayed windows would otherwise hold the old traffic for several decisions.
@@ -80,6 +83,7 @@ from policies.acceptance import (
     BatchAcceptance,
     batch_acceptance,
     extended_rates,
+    most_tokens_without_landings,
 )
 from policies.signals import Decision, Signals, StepCost
 from policies.step_cost import DraftFill, StepCostModel
@@ -308,42 +312,89 @@ class GoodputPolicy:
         prior = signals.class_prior or (signals.cluster.acceptance_prior if signals.cluster
                                         else ())
         rates = self.acceptance.rates(prior)
+        most = self._most_tokens_at_k0(signals, rates)
+        if most <= 1 + self.config.switch_margin:
+            held = self._hold_k0(signals, rates, most)
+            if held is not None:
+                return held
         parts, caps_by_k = self._evaluate(signals, rates)
         if current not in parts:
             return Decision(current, "no cost data yet")
         scores = _scores(parts, self._batch(signals))
         best = max(scores, key=lambda k: (scores[k], -k))  # ties go to the smaller K
-        inputs = {"batch": float(self._batch(signals)),
+        inputs = {**self._observed(signals, rates),
                   "score_current": scores[current], "score_best": scores[best],
                   # Why a score is what it is: tokens per sequence-step and the step's ms.
                   "tokens_current": parts[current][0], "tokens_best": parts[best][0],
                   "step_ms_current": 1000 * parts[current][1],
                   "step_ms_best": 1000 * parts[best][1],
-                  "first_draft": rates[0], "draft_share": self.draft_share,
-                  # The share of the current tier's slots the drafter is expected to fill.
-                  "draft_fill": self.fill.verified(current) / current if current
-                  else self.fill.share,
                   # Every tier's score and tokens per sequence-step: a decision log (or a
                   # switch's span) shows how near the tiers it did not take came, and why.
                   **{f"score_k{k}": score for k, score in scores.items()},
                   **{f"tokens_k{k}": length for k, (length, _) in parts.items()}}
+        if caps_by_k.get(current):  # requests whose drafts are capped below K
+            inputs["capped_requests"] = float(len(caps_by_k[current]))
+        # The dwell holds a tier against noisy measurements; a new class's arrival is news.
+        if self._in_dwell(signals):
+            return Decision(current, "dwell", inputs, caps_by_k.get(current))
+        decision = self._decide_after_dwell(signals, current, scores, best, inputs, caps_by_k,
+                                            parts)
+        self._judge_probe(current, decision.k, backs_off=bool(signals.class_prior))
+        return decision
+
+    def _observed(self, signals: Signals, rates: list[float]) -> dict[str, float]:
+        """A decision's inputs that score no tier: what the replica measured and estimates."""
+        current = signals.current_k
+        inputs = {"batch": float(self._batch(signals)),
+                  "first_draft": rates[0], "draft_share": self.draft_share,
+                  # The share of the current tier's slots the drafter is expected to fill.
+                  "draft_fill": self.fill.verified(current) / current if current
+                  else self.fill.share}
         if signals.drafting_sequence_steps:  # what the window just ran gave, beside the estimate
             inputs["tokens_measured"] = 1 + signals.accepted_tokens / \
                 signals.drafting_sequence_steps
         if signals.step_costs:
             inputs["step_ms_measured"] = 1000 * float(np.mean(
                 [cost.seconds for cost in signals.step_costs]))
-        if caps_by_k.get(current):  # requests whose drafts are capped below K
-            inputs["capped_requests"] = float(len(caps_by_k[current]))
         if signals.class_prior:
             inputs["class_hint"] = signals.class_prior[0]
-        # The dwell holds a tier against noisy measurements; a new class's arrival is news.
-        if self._steps_on_tier < self.config.min_dwell_steps and not signals.new_class:
-            return Decision(current, "dwell", inputs, caps_by_k.get(current))
-        decision = self._decide_after_dwell(signals, current, scores, best, inputs, caps_by_k,
-                                            parts)
-        self._judge_probe(current, decision.k, backs_off=bool(signals.class_prior))
-        return decision
+        return inputs
+
+    def _in_dwell(self, signals: Signals) -> bool:
+        return self._steps_on_tier < self.config.min_dwell_steps and not signals.new_class
+
+    def _most_tokens_at_k0(self, signals: Signals, rates: list[float]) -> float:
+        """At K=0, the most tokens a sequence-step any tier could make for this batch when
+        none of its requests landed a draft in its window: the most that the guesses the
+        tiers would be scored by give (this replica's rates, the classes' hint, each
+        request's class; see `most_tokens_without_landings`). Infinite elsewhere, and with
+        `tpot_slo_ms`, whose bound can take K=0's own tokens out of its score."""
+        if signals.current_k != 0 or self.config.tpot_slo_ms is not None or \
+                signals.requests.accepted.any():
+            return float("inf")
+        return most_tokens_without_landings(
+            [rates, signals.class_prior, *signals.request_priors], self.acceptance_width)
+
+    def _hold_k0(self, signals: Signals, rates: list[float], most: float) -> Decision | None:
+        """K=0 kept without scoring a tier, when drafts could buy at most the switch margin
+        in tokens a sequence-step (`most`): a deeper tier's step never costs less than K=0's
+        (see `StepCostModel`), so neither its score nor the classes' hint can beat K=0 by the
+        margin, and the decision is K=0's whatever the scores. Traffic whose drafts do not
+        land (sampled text) sits here, and scoring every tier twice (the tiers and the
+        hint) at each of its decisions took most of the policy's CPU, on the cores the
+        engines share (over HTTP, stop 69). None where the scored decision would do more
+        than hold K=0: no cost data yet, or a probe due."""
+        batch = self._batch(signals)
+        if not self.costs.predict_row(batch, (self.fill.verified(0),)):
+            return None
+        inputs = {**self._observed(signals, rates), "most_tokens": most}
+        if self._in_dwell(signals):
+            return Decision(0, "dwell", inputs, {})
+        if self._probe_due(signals, 0) is not None:
+            return None
+        self._judge_probe(0, 0, backs_off=bool(signals.class_prior))
+        return Decision(0, f"drafts could buy at most {most - 1:.3f} tokens a sequence-step",
+                        inputs, {})
 
     def _judge_probe(self, current: int, new: int, backs_off: bool) -> None:
         """After a probe's dwell: it found drafts landing if the policy goes deeper, or holds
@@ -379,20 +430,13 @@ class GoodputPolicy:
             tier, caps = expected
             return Decision(tier, "probe: these request classes landed drafts before",
                             inputs, caps)
-        # The backoff only where request classes' past acceptance can bring the replica up
-        # when the traffic changes (the class hint above); without it the probe is the only
-        # way to see a phase change (the cpu-demo transition replay, which has no classes, made
-        # 1568 tok/s backed off against 2390 without: 64 requests a phase, stop 41).
-        interval = self.config.probe_interval_steps * \
-            (self._probe_backoff if signals.class_prior else 1)
-        if deeper and self._steps_on_tier >= interval and \
-                self._steps - self._last_drafted[deeper[0] - 1] >= interval and \
-                not self._fleet_measured(signals, deeper[0]):
+        probe = self._probe_due(signals, current)
+        if probe is not None:
             self._steps_on_tier = 0
-            self._probed = (deeper[0], self._steps)
+            self._probed = (probe, self._steps)
             # The probe's first window goes out uncapped, to measure the new positions (the
             # dwell decisions after it send the tier's caps again).
-            return Decision(deeper[0], "probe: measure the next tier's positions", inputs)
+            return Decision(probe, "probe: measure the next tier's positions", inputs)
         if best != current and scores[best] > scores[current] * (1 + self.config.switch_margin):
             self._steps_on_tier = 0
             return Decision(best, f"goodput {scores[best]:.0f} > {scores[current]:.0f} tok/s",
@@ -406,6 +450,23 @@ class GoodputPolicy:
                             inputs, caps_by_k.get(floor))
         return Decision(current, "current tier is within the margin of the best", inputs,
                         caps_by_k.get(current))
+
+    def _probe_due(self, signals: Signals, current: int) -> int | None:
+        """The next deeper tier, when its positions are due a probe: the policy has run
+        `current` for the probe interval, nothing drafted them for as long, and no other
+        replica measured them for these request classes just now."""
+        deeper = [k for k in self.candidates if k > current]
+        # The backoff only where request classes' past acceptance can bring the replica up
+        # when the traffic changes (the class hint); without it the probe is the only way to
+        # see a phase change (the cpu-demo transition replay, which has no classes, made 1568
+        # tok/s backed off against 2390 without: 64 requests a phase, stop 41).
+        interval = self.config.probe_interval_steps * \
+            (self._probe_backoff if signals.class_prior else 1)
+        if deeper and self._steps_on_tier >= interval and \
+                self._steps - self._last_drafted[deeper[0] - 1] >= interval and \
+                not self._fleet_measured(signals, deeper[0]):
+            return deeper[0]
+        return None
 
     def _buys_nothing(self, parts: dict[int, tuple[float, float]], tier: int, floor: int
                       ) -> bool:

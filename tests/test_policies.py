@@ -16,6 +16,7 @@ from policies.acceptance import (
     AcceptanceWindow,
     BatchAcceptance,
     batch_acceptance,
+    most_tokens_without_landings,
 )
 from policies.base import Policy
 from policies.batch_table import lookup
@@ -313,6 +314,66 @@ def test_goodput_at_zero_goes_where_the_request_classes_landed_drafts_before():
     assert at_zero((0.95,))[0] == 15, "greedy-copy classes arrived: deep at once"
     assert at_zero((0.6, 0.2))[0] == 3 and at_zero((0.4, 0.05))[0] == 1
     assert set(at_zero((0.01,))) == {0} and set(at_zero(())) == {0}
+
+
+def without_landings(batch: int, drafts: int) -> RequestWindows:
+    """`batch` requests whose last 30 steps each drafted `drafts` positions and landed none."""
+    return RequestWindows.of([RequestAcceptance(f"r{i}", (0,) * 30, (drafts,) * 30)
+                              for i in range(batch)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(landing=st.lists(st.floats(0, 1), min_size=1, max_size=15),
+       prior=st.lists(st.floats(0, 1), max_size=15), batch=st.integers(1, 8),
+       drafts=st.integers(0, 15), prior_strength=st.sampled_from([0.0, 1.0, 4.0]))
+def test_tokens_without_landings_never_exceed_the_guesses_bound(landing, prior, batch, drafts,
+                                                                prior_strength):
+    """No request that landed nothing can be priced above what its guess gives, at any
+    depth and in any mix: the bound `goodput` holds K=0 by without scoring."""
+    landing = sorted(landing, reverse=True) + [0.0] * (15 - len(landing))
+    priors = tuple(tuple(prior) if i % 2 else () for i in range(batch))
+    lengths = steady_lengths(without_landings(batch, drafts), landing, prior_strength,
+                             CANDIDATES, priors)
+    bound = most_tokens_without_landings([landing, *priors], 15)
+    assert lengths is None or max(lengths.values()) <= bound + 1e-9
+
+
+def of_sampled_requests(k: int, acceptance: float) -> Signals:
+    """`of_a_class_without_landing_drafts` with the engine's per-request windows: eight
+    requests of that class, none of which landed a draft."""
+    return Signals(**{**of_a_class_without_landing_drafts(k, acceptance).__dict__,
+                      "requests": without_landings(8, 0), "request_priors": ((0.02,),) * 8})
+
+
+def test_goodput_holds_zero_without_scoring_where_drafts_cannot_pay():
+    """At K=0, with no request landing a draft and every guess (the replica's rates, the
+    classes' hint, each request's class) worth less than the switch margin in tokens, no tier
+    can beat K=0 by the margin: the policy keeps K=0 without scoring a tier, and decides
+    exactly as scoring would, probes included."""
+    def run(scored: bool) -> list[Decision]:
+        policy = goodput(switch_margin=0.05, probe_interval_steps=40, max_probe_backoff=4)
+        if scored:  # the bound never holds: every decision is scored
+            policy._most_tokens_at_k0 = lambda signals, rates: math.inf
+        k, decisions = 0, []
+        for _ in range(120):
+            decisions.append(policy.decide(of_sampled_requests(k, 0.0)))
+            k = decisions[-1].k
+        return decisions
+
+    held, scored = run(scored=False), run(scored=True)
+    assert [d.k for d in held] == [d.k for d in scored]
+    assert len({d.k for d in held}) > 1, "the probes still go out"
+    holds = [d for d in held if d.reason.startswith("drafts could buy at most")]
+    assert len(holds) > 60
+    assert all("score_k3" not in d.inputs and d.inputs["most_tokens"] <= 1.05 for d in holds)
+    # A request that landed a draft, or a class whose drafts landed, is scored as before.
+    landed = RequestWindows.of([RequestAcceptance("r0", (0,) * 29 + (1,), (1,) * 30)])
+    policy = goodput(switch_margin=0.05)
+    signals = Signals(**{**of_sampled_requests(0, 0.0).__dict__, "requests": landed,
+                         "request_priors": ((0.02,),)})
+    assert "score_k1" in policy.decide(signals).inputs
+    copy_class = Signals(**{**of_sampled_requests(0, 0.0).__dict__, "class_prior": (0.5,)})
+    assert "score_k1" in goodput(switch_margin=0.05).decide(copy_class).inputs
 
 
 def test_goodput_prices_unmeasured_positions_by_the_request_classes_not_the_fleet():
