@@ -229,18 +229,15 @@ def most_tokens_without_landings(guesses: Iterable[Sequence[float]], width: int)
     it may price a request by (the replica's rates, each class prior). A request's rate at a
     position is its own count shrunk towards the guess's conditional rate, and a count with
     nothing landed only lowers it, so no request makes more than its guess's
-    `1 + sum_k r_k`, nor does the batch's steady state, a mean of its requests'."""
+    `1 + sum_k r_k`, nor does the batch's steady state, a mean of its requests'. Each
+    distinct guess once: a batch's requests share a few classes."""
     most = 1.0
-    for guess in guesses:
-        if not guess:
-            continue
-        rates = extended_rates(guess[:width], width)
-        reach = rates[0]
-        total = 1.0 + reach
-        for k in range(1, width):
-            reach *= _ratio(rates[k], rates[k - 1])
-            total += reach
-        most = max(most, total)
+    for guess in {tuple(guess) for guess in guesses if guess}:
+        # r_k: the first position's rate carried on by the conditional rates, as
+        # `batch_acceptance` builds a guess (`_guesses`).
+        conditional = _conditionals(extended_rates(guess[:width], width))
+        reach = guess[0] * np.cumprod(conditional[1:])
+        most = max(most, 1.0 + guess[0] + float(reach.sum()))
     return most
 
 
