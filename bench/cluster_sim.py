@@ -4,6 +4,9 @@
     python -m bench.cluster_sim --replicas 64 --duration 20 --json out.json
     python -m bench.cluster_sim --replicas 64 --duration 30 --rate 10 --burst-factor 1 \
         --seeds 1 --margins "" --json s.json --markdown s.md --plot s.png   # stationary load
+    python -m bench.cluster_sim --replicas 8 64 --modes ema,ema_tiers,goodput_routed \
+        --define 'ema_tiers={"name": "ema", "concurrency_source": "local", "1": [1, 3, 7, 15]}' \
+        --json t.json    # a policy config of your own beside the table's modes
 
 Each replica is a `SimulatedEngine` (cost model and synthetic acceptance, not a model) with the
 real `TierPool`, `ControlLoop` and policy. The router ranks with `app.router.rank_replicas`
@@ -25,6 +28,10 @@ and comes mostly from one tenant. Modes:
 | goodput_cluster | goodput | effective (cluster) | yes | power of two choices |
 | goodput_routed | goodput | effective (cluster) | yes | class-gathering (`rank_replicas`) |
 | oracle_k | best K from exact acceptance (a reference) | exact | - | power of two choices |
+
+A mode `--define`d with a policy config (as in `bench.transition`) runs that config: under a
+new name as a local mode (Ray Serve's routing, no hub); under a mode's name in place of that
+mode's policy, keeping its routing and hub (so the verdict tables judge against it).
 
 `oracle_k` is a SIMULATOR-only reference: each decision it knows every queued request's true
 acceptance model and the true step cost, which no engine knows, and scores K as `goodput` does
@@ -63,8 +70,8 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.cli import check_output_dirs, positive, positive_seconds
-from bench.cluster.fleet import MODES, PRESET
+from bench.cli import check_output_dirs, defined_mode, defined_modes, positive, positive_seconds
+from bench.cluster.fleet import MODES, ORACLE, PRESET
 from bench.cluster.load import LoadShape, offered_tok_s_per_replica, token_shares, workload
 from bench.cluster.report import plot, report, verdicts
 from bench.cluster.runs import Run, run_one, slo_capacity
@@ -77,7 +84,7 @@ def submit(pool: Executor, args: argparse.Namespace, shape: LoadShape, replicas:
     """Queue one simulation per mode; their summaries come back as the futures complete."""
     return {mode: pool.submit(run_one, Run(mode, replicas, duration_s, shape, seed,
                                            args.slo_ttft, args.slo_tpot, switch_margin,
-                                           tpot_bound))
+                                           tpot_bound, args.defined.get(mode)))
             for mode in modes}
 
 
@@ -107,7 +114,7 @@ def run_all(pool: Executor, args: argparse.Namespace) -> dict[int, dict[str, Any
                        for margin in args.margins.split(",")}
         capacity = {mode: pool.submit(slo_capacity, Run(
             mode, replicas, args.capacity_duration, shape, args.seed, args.slo_ttft,
-            args.slo_tpot), args.capacity_attainment)
+            args.slo_tpot, policy=args.defined.get(mode)), args.capacity_attainment)
             for mode in MODES} if every_mode and replicas == args.capacity_at else {}
         # The goodput modes again, told the SLO's bound on time per token (`tpot_slo_ms`).
         bounded = submit(pool, args, shape, replicas, [m for m in MODES if m.startswith(
@@ -162,6 +169,11 @@ def main() -> None:
     parser.add_argument("--burst-factor", type=float, default=LoadShape.burst_factor,
                         help="rate multiplier during a burst (1: stationary load)")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--define", type=defined_mode, action="append", default=[],
+                        metavar="NAME=JSON",
+                        help="a mode named NAME running this policy config (repeatable; NAME "
+                             "must be in --modes): a new name runs as a local mode, a mode's "
+                             "name replaces its policy and keeps its routing and hub")
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tpot", type=float, default=0.020)
     parser.add_argument("--seed", type=int, default=0)
@@ -195,9 +207,15 @@ def main() -> None:
                         help="simulations run at once, one per worker process (each is "
                              "single-threaded; default: one per core)")
     args = parser.parse_args()
-    if unknown := set(args.modes.split(",")) - set(MODES):
+    try:
+        args.defined = defined_modes(args.define, args.modes.split(","))
+    except ValueError as error:
+        parser.error(str(error))
+    if ORACLE in args.defined:
+        parser.error(f"{ORACLE} is a reference, not a policy: it takes no config")
+    if unknown := set(args.modes.split(",")) - set(MODES) - set(args.defined):
         parser.error(f"unknown modes {', '.join(sorted(unknown))}; choose from "
-                     f"{', '.join(MODES)}")
+                     f"{', '.join(MODES)}, or --define one")
     check_output_dirs(parser, args.json, args.markdown, args.plot)
     with ProcessPoolExecutor(args.jobs) as pool:
         try:
@@ -208,9 +226,12 @@ def main() -> None:
     # First: whatever goes wrong in the report, the simulations are kept.
     args.json.write_text(json.dumps({"preset": PRESET, "slo_ttft_s": args.slo_ttft,
                                      "slo_tpot_s": args.slo_tpot, "jobs": args.jobs,
-                                     "runs": runs}, indent=2))
+                                     "defined": args.defined, "runs": runs}, indent=2))
     complete = {n: r for n, r in runs.items() if "verdicts" in r}
     text = report(complete) if complete else ""
+    if args.defined:
+        text = "".join(f"Mode `{name}` runs `{json.dumps(config)}`.\n\n"
+                       for name, config in args.defined.items()) + text
     print(f"\nSIMULATOR preset {PRESET}; SLO: TTFT <= {args.slo_ttft} s and TPOT <= "
           f"{args.slo_tpot * 1000:.0f} ms\n\n{text}")
     if complete:

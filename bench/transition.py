@@ -46,7 +46,7 @@ from typing import Any
 
 import httpx
 
-from bench.cli import check_output_dirs, non_negative, positive
+from bench.cli import check_output_dirs, defined_mode, defined_modes, non_negative, positive
 from bench.report import is_static, percentile
 from bench.transition_report import combine, plot, report
 from bench.workloads import HIGH, LOW, MIX, Prompt, interleaved, sweep_shape
@@ -92,40 +92,6 @@ def policy_for_mode(mode: str, deployed: dict[str, Any],
     if is_static(mode):
         return {"name": "static", "k": int(mode.removeprefix("static"))}
     return deployed if deployed.get("name") == mode else {"name": mode}
-
-
-def defined_mode(text: str) -> tuple[str, dict[str, Any]]:
-    """`NAME=JSON` (a `--define`) -> (NAME, the policy config), checked as the application
-    checks one (`POST /admin/policy`), so a typo fails now, not when its mode's turn comes.
-    A defined mode counts as adaptive in the report, so it may not be a static one."""
-    name, sep, config = text.partition("=")
-    if not sep or not name or "," in name:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=JSON (NAME without commas)")
-    if is_static(name):
-        raise argparse.ArgumentTypeError(f"{name!r}: names starting with 'static' are the "
-                                         "static tiers")
-    try:
-        policy = json.loads(config)
-        if not isinstance(policy, dict):
-            raise ValueError("a policy config is a JSON object")
-        if parse_policy_config(policy).name == "static":
-            raise ValueError("a static tier is a mode of its own: static<K>")
-    except ValueError as error:  # JSON and pydantic errors are ValueErrors
-        raise argparse.ArgumentTypeError(f"{name}: {error}") from error
-    return name, policy
-
-
-def defined_modes(definitions: list[tuple[str, dict[str, Any]]], modes: list[str]
-                  ) -> dict[str, dict[str, Any]]:
-    """The `--define`s by name; each name once, and each a mode that runs."""
-    names = [name for name, _ in definitions]
-    problems = [f"{name!r} is defined twice" for name in sorted(set(names))
-                if names.count(name) > 1]
-    problems += [f"{name!r} is defined but not in --modes" for name in sorted(set(names))
-                 if name not in modes]
-    if problems:
-        raise ValueError("; ".join(problems))
-    return dict(definitions)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import httpx
 import psutil
 import pytest
 
+from bench.cli import defined_mode, defined_modes
 from bench.http_suite import (
     end_leftovers,
     result_name,
@@ -32,8 +33,6 @@ from bench.transition import (
     bench,
     build_parser,
     check_modes,
-    defined_mode,
-    defined_modes,
     policy_for_mode,
     round_order,
     select_phases,

@@ -103,6 +103,33 @@ def test_a_larger_switch_margin_switches_less(arrivals):
     assert default > 0 and wide < default
 
 
+EMA_OVER_THE_TIERS = {"name": "ema", "concurrency_source": "local", "1": [1, 3, 7, 15]}
+
+
+def test_a_defined_mode_runs_its_config_in_place_of_the_modes_own():
+    """`--define`: SGLang's EMA over the pool's tiers in one slot (as SGLang's own benchmark
+    ran it) under a new name, or in place of the `ema` row's default slots."""
+    async def slots(mode: str, policy: dict | None) -> set[tuple[int, tuple[int, ...]]]:
+        fleet = await build_fleet(mode, 2, seed=1, policy=policy)
+        return {(bound, tuple(slot.candidates)) for r in fleet
+                for bound, slot in r.loop.policy.slots.items()}
+
+    assert asyncio.run(slots("ema", None)) == {(1, (1, 3, 7)), (8, (0, 1, 3)), (32, (0, 1)),
+                                               (64, (0,))}  # SGLang's default, snapped
+    for mode in ("ema", "ema_tiers"):
+        assert asyncio.run(slots(mode, EMA_OVER_THE_TIERS)) == {(1, (1, 3, 7, 15))}
+
+
+def test_a_defined_mode_serves_every_request_as_a_local_mode(arrivals):
+    outcome = asyncio.run(simulate("ema_tiers", REPLICAS, arrivals, DURATION_S, 2.0, 0.02,
+                                   seed=1, policy=EMA_OVER_THE_TIERS))
+    assert len(outcome.latencies) == len(arrivals)
+    assert outcome.tokens == sum(a.max_tokens for a in arrivals)
+    # Its own policy ran: at a full batch the default slots hold K=0, these never do.
+    default = asyncio.run(simulate("ema", REPLICAS, arrivals, DURATION_S, 2.0, 0.02, seed=1))
+    assert summarise(outcome, REPLICAS) != summarise(default, REPLICAS)
+
+
 def test_the_goodput_modes_can_take_the_slos_bound_on_time_per_token(arrivals):
     assert "tpot_slo_ms" not in policy_for("goodput_local")
     assert policy_for("goodput_routed", tpot_bound_s=0.02)["tpot_slo_ms"] == pytest.approx(20)
@@ -348,6 +375,9 @@ def test_a_slo_no_mode_meets_gives_no_ratios_rather_than_no_results():
     (["--replicas", "0"], "not a positive count"),
     (["--duration", "0"], "not a positive number of seconds"),
     (["--modes", "static1,nope"], "unknown modes nope"),
+    (["--modes", "static1", "--define", 'x={"name": "ema"}'], "'x' is defined but not in"),
+    (["--modes", "oracle_k", "--define", 'oracle_k={"name": "ema"}'], "is a reference"),
+    (["--modes", "x", "--define", 'x={"name": "ema", "ema_alpha": 2}'], "invalid ema"),
     (["--json", "/no/such/dir/x.json"], "its directory /no/such/dir does not exist"),
 ])
 def test_a_command_that_cannot_run_or_keep_its_results_is_refused_at_once(flags, reason):

@@ -224,9 +224,11 @@ def policy_for(mode: str, switch_margin: float | None = None,
 
 async def build_fleet(mode: str, replicas: int, seed: int, switch_margin: float | None = None,
                       tpot_bound_s: float | None = None,
-                      shares: dict[str, float] | None = None) -> list[SimReplica]:
+                      shares: dict[str, float] | None = None,
+                      policy: dict[str, Any] | None = None) -> list[SimReplica]:
     """`replicas` simulated replicas running `mode`; `shares` (the run's token share per
-    request class) tunes `batch_table`'s table."""
+    request class) tunes `batch_table`'s table; `policy`, a config given to the mode
+    (`--define`), replaces the one the mode runs by default."""
     # Acceptance models named by request class: each request carries its class into the
     # engine, as the ingress's do in the app, and the engine's records of finished requests
     # name the classes the replicas learn.
@@ -242,11 +244,12 @@ async def build_fleet(mode: str, replicas: int, seed: int, switch_margin: float 
         pool = TierPool(engine, CANDIDATES, initial_k=int(mode[6:]) if mode in EVERY_STATIC else 3)
         await pool.apply_initial()
         replica = SimReplica(f"r{i}", engine, pool)
-        policy = OracleK(engine, CANDIDATES) if mode == ORACLE else \
-            build_policy(policy_for(mode, switch_margin, tpot_bound_s, table), CANDIDATES)
+        config = policy or policy_for(mode, switch_margin, tpot_bound_s, table)
+        replica_policy = OracleK(engine, CANDIDATES) if mode == ORACLE else \
+            build_policy(config, CANDIDATES)
         # Every mode prices by what its own requests' classes showed, as a replica does
         # without the hub; the cluster modes also get the fleet's rates per class.
-        replica.loop = ControlLoop(engine, pool, policy, max_batch=engine.max_num_seqs,
+        replica.loop = ControlLoop(engine, pool, replica_policy, max_batch=engine.max_num_seqs,
                                    class_prior=replica.class_prior)
         fleet.append(replica)
     return fleet
@@ -268,12 +271,16 @@ def exchange_telemetry(fleet: list[SimReplica], hub: ClusterState, now: float,
 
 async def simulate(mode: str, replicas: int, arrivals: list[Arrival], duration_s: float,
                    slo_ttft_s: float, slo_tpot_s: float, seed: int,
-                   switch_margin: float | None = None, tpot_bound: bool = False
-                   ) -> ModeOutcome:
+                   switch_margin: float | None = None, tpot_bound: bool = False,
+                   policy: dict[str, Any] | None = None) -> ModeOutcome:
+    """`mode`'s fleet through the arrivals. A mode of `MODES` routes and shares telemetry as
+    its row of the table in `bench.cluster_sim` says; any other name is a mode `--define`d
+    with `policy`, run as a local one (Ray Serve's routing, no hub)."""
     started = time.perf_counter()
     uses_cluster, gathering = mode in CLUSTER, mode == "goodput_routed"
     fleet = await build_fleet(mode, replicas, seed, switch_margin,
-                              slo_tpot_s if tpot_bound else None, token_shares(arrivals))
+                              slo_tpot_s if tpot_bound else None, token_shares(arrivals),
+                              policy)
     hub = ClusterState(stale_after_s=3 * TELEMETRY_PERIOD_S)
     recent_by_class = RecentByClass()
     rng = random.Random(seed)

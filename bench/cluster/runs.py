@@ -32,13 +32,15 @@ class Run:
     switch_margin: float | None = None
     tpot_bound: bool = False
     """Whether the goodput modes bound time per output token at the SLO's (`tpot_slo_ms`)."""
+    policy: dict[str, Any] | None = None
+    """The policy config the mode was `--define`d with; None: the mode's own."""
 
 
 def run_one(run: Run) -> dict[str, Any]:
     arrivals = workload(run.replicas, run.duration_s, run.shape, run.seed)
     outcome = asyncio.run(simulate(run.mode, run.replicas, arrivals, run.duration_s,
                                    run.slo_ttft_s, run.slo_tpot_s, run.seed, run.switch_margin,
-                                   run.tpot_bound))
+                                   run.tpot_bound, run.policy))
     return summarise(outcome, run.replicas)
 
 
