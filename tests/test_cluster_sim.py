@@ -120,6 +120,17 @@ def test_a_defined_mode_runs_its_config_in_place_of_the_modes_own():
         assert asyncio.run(slots(mode, EMA_OVER_THE_TIERS)) == {(1, (1, 3, 7, 15))}
 
 
+def test_a_defined_goodput_config_still_takes_the_runs_margin_and_bound():
+    """The margin table and the TPOT-bound runs vary a setting of whatever `goodput` config
+    the mode runs, its own or a defined one."""
+    defined = {"name": "goodput", "switch_margin": 0.1, "min_dwell_steps": 4}
+    config = policy_for("goodput_routed", switch_margin=0.3, tpot_bound_s=0.02,
+                        defined=defined)
+    assert config == {**defined, "switch_margin": 0.3, "tpot_slo_ms": pytest.approx(20)}
+    assert policy_for("goodput_routed", defined=defined) == defined
+    assert defined["switch_margin"] == 0.1  # the definition itself is left as given
+
+
 def test_a_defined_mode_serves_every_request_as_a_local_mode(arrivals):
     outcome = asyncio.run(simulate("ema_tiers", REPLICAS, arrivals, DURATION_S, 2.0, 0.02,
                                    seed=1, policy=EMA_OVER_THE_TIERS))

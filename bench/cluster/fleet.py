@@ -205,20 +205,27 @@ def tuned_batch_table(preset: SimPreset, shares: dict[str, float], max_batch: in
 
 def policy_for(mode: str, switch_margin: float | None = None,
                tpot_bound_s: float | None = None,
-               batch_table: list[list[int]] | None = None) -> dict[str, Any]:
-    if mode.startswith("goodput"):
+               batch_table: list[list[int]] | None = None,
+               defined: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The policy config `mode`'s replicas run: `defined` (a `--define`d config) in place of
+    the mode's own, and either way a `goodput` policy takes the run's switch margin and
+    bound on time per token."""
+    if defined is not None:
+        config = dict(defined)
+    elif mode.startswith("goodput"):
         config = replay_policy_config("goodput", PRESET)
         config["concurrency_source"] = "local" if mode == "goodput_local" else "effective"
+    else:
+        config = replay_policy_config(mode, PRESET)
+        if mode in ("batch_table", "ema"):
+            config["concurrency_source"] = "local"  # the engine's batch, as vLLM and SGLang do
+        if mode == "batch_table" and batch_table is not None:
+            config["num_speculative_tokens_per_batch_size"] = batch_table
+    if config["name"] == "goodput":
         if switch_margin is not None:
             config["switch_margin"] = switch_margin
         if tpot_bound_s is not None:  # the operator's SLO, as `tpot_slo_ms` in a config
             config["tpot_slo_ms"] = 1000 * tpot_bound_s
-        return config
-    config = replay_policy_config(mode, PRESET)
-    if mode in ("batch_table", "ema"):
-        config["concurrency_source"] = "local"  # the engine's batch, as vLLM and SGLang do
-    if mode == "batch_table" and batch_table is not None:
-        config["num_speculative_tokens_per_batch_size"] = batch_table
     return config
 
 
@@ -235,7 +242,7 @@ async def build_fleet(mode: str, replicas: int, seed: int, switch_margin: float 
     preset = replace(PRESETS[PRESET], acceptance={
         name: PRESETS[PRESET].acceptance[model] for name, model in CLASSES.items()})
     table = tuned_batch_table(PRESETS[PRESET], shares, MAX_BATCH) \
-        if mode == "batch_table" and shares else None
+        if mode == "batch_table" and shares and policy is None else None
     fleet = []
     for i in range(replicas):
         engine = SimulatedEngine(preset, kmax=max(CANDIDATES), max_num_seqs=MAX_BATCH,
@@ -244,9 +251,8 @@ async def build_fleet(mode: str, replicas: int, seed: int, switch_margin: float 
         pool = TierPool(engine, CANDIDATES, initial_k=int(mode[6:]) if mode in EVERY_STATIC else 3)
         await pool.apply_initial()
         replica = SimReplica(f"r{i}", engine, pool)
-        config = policy or policy_for(mode, switch_margin, tpot_bound_s, table)
-        replica_policy = OracleK(engine, CANDIDATES) if mode == ORACLE else \
-            build_policy(config, CANDIDATES)
+        replica_policy = OracleK(engine, CANDIDATES) if mode == ORACLE else build_policy(
+            policy_for(mode, switch_margin, tpot_bound_s, table, policy), CANDIDATES)
         # Every mode prices by what its own requests' classes showed, as a replica does
         # without the hub; the cluster modes also get the fleet's rates per class.
         replica.loop = ControlLoop(engine, pool, replica_policy, max_batch=engine.max_num_seqs,
