@@ -18,7 +18,8 @@ from ray.serve.config import DeploymentActorConfig, RequestRouterConfig
 from app.ingress import Ingress
 from app.router import ClassGatheringRouter
 from app.telemetry_hub import TelemetryHub
-from policies.registry import parse_policy_config
+from policies.registry import build_policy, parse_policy_config
+from replicas.chunks import stream_interval_s
 from replicas.engines.spec import LOCAL_ENGINE_ENV, REPO_ROOT, EngineSpec
 from replicas.replica import HUB_ACTOR, EngineReplica
 from replicas.tier_pool import validate_candidates
@@ -67,8 +68,14 @@ class AppArgs(BaseModel):
         return parse_policy_config(policy).model_dump()
 
     @model_validator(mode="after")
-    def _candidates_fit_engine(self) -> AppArgs:
-        validate_candidates(self.candidates, self.engine.effective_kmax, self.initial_k)
+    def _replicas_can_start(self) -> AppArgs:
+        """Refuse here what every replica would refuse in its constructor (after starting its
+        engine): candidates the engine cannot run, a policy that cannot run over them (a
+        static K that is not a candidate), a stream interval that is not a finite number."""
+        candidates = validate_candidates(self.candidates, self.engine.effective_kmax,
+                                         self.initial_k)
+        build_policy(self.policy, candidates)
+        stream_interval_s(self.stream_interval_ms)
         return self
 
 

@@ -74,7 +74,8 @@ NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "presence_penalty", "frequenc
 
 
 # vLLM builds neither a min-p nor a logit-bias processor when speculative decoding is
-# configured, and every replica here is (K=0 included).
+# configured, as it is on every replica here (K=0 included) but the `drafter: none`
+# baseline's, which refuses them too: one app, one set of fields for its clients.
 UNAPPLIED_FIELDS = {
     "min_p": "vLLM does not apply it with speculative decoding",
     "logit_bias": "vLLM does not apply it with speculative decoding",

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from observability.per_position import accumulate
-from policies.class_acceptance import Rates, fleet_average, fleet_fresh
+from policies.class_acceptance import Rates, fleet_average, fleet_fresh, rates_from_counts
 
 # A replica that has not pushed for this long is dropped from the view (dead or restarting).
 STALE_AFTER_S = 3.0
@@ -116,12 +116,7 @@ class ClusterState:
 
     def acceptance_prior(self) -> tuple[float, ...]:
         """Cluster-wide p[k] (share of drafts with more than k accepted), per position."""
-        prior = []
-        for accepted, drafted in zip(self._total_accepted, self._total_drafted, strict=True):
-            if drafted < 1:
-                break  # no evidence at this depth: let the policy extrapolate
-            prior.append(min(1.0, max(0.0, accepted / drafted)))
-        return tuple(prior)
+        return rates_from_counts(self._total_accepted, self._total_drafted)
 
     def view(self, replica_id: str) -> dict[str, Any]:
         ongoing = self.replicas.get(replica_id, {}).get("ongoing", 0)

@@ -78,12 +78,13 @@ def class_counts(windows: RequestWindows, class_of: Mapping[str, str], width: in
 
 
 def rates_from_counts(accepted: Sequence[float], drafted: Sequence[float]) -> Rates:
-    """p[k] = accepted[k] / drafted[k] for the leading positions that were drafted."""
+    """p[k] = accepted[k] / drafted[k], within [0, 1], for the leading positions drafted at
+    least once (counts may be sums of decayed or subtracted reports, hence not whole)."""
     rates = []
     for landed, offered in zip(accepted, drafted, strict=False):
-        if offered <= 0:
-            break
-        rates.append(min(1.0, landed / offered))
+        if offered < 1:
+            break  # no evidence at this depth: the policy extrapolates
+        rates.append(min(1.0, max(0.0, landed / offered)))
     return tuple(rates)
 
 

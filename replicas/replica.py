@@ -80,7 +80,6 @@ class EngineReplica:
         self.active_spans = tracing.ActiveSpans()
         self.telemetry_period_s = telemetry_period_s
         self.stream_interval_s = stream_interval_s(stream_interval_ms)
-        self.ongoing = 0
         # Requests in the handler per (router id, request class): routers take the others'.
         self._ongoing_by_router: Counter[tuple[str | None, str]] = Counter()
         self.cluster: ClusterView | None = None
@@ -119,15 +118,15 @@ class EngineReplica:
 
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request: yields {"text", "token_ids", ...} chunks, or one {"error"}."""
-        self.ongoing += 1
         source = (payload.get("router_id"), payload.get("request_class", DEFAULT_CLASS))
-        self._ongoing_by_router[source] += 1
-        self._request_class[payload["request_id"]] = source[1]
         span = tracing.start_replica_span(
             payload.get("trace_context"), request_id=payload["request_id"],
             replica_id=self.replica_id, model=self.model_name, k_start=self.pool.active_k)
-        self.active_spans.add(span)
         before = self.engine.counters()
+        # Counted only once nothing before the `try` can raise: its `finally` uncounts.
+        self._ongoing_by_router[source] += 1
+        self._request_class[payload["request_id"]] = source[1]
+        self.active_spans.add(span)
         prompt_tokens = completion_tokens = 0
         error: BaseException | None = None
         finished = False
@@ -174,7 +173,6 @@ class EngineReplica:
             if not finished:  # free the engine slot (a no-op for a request it never took)
                 with contextlib.suppress(Exception):
                     await self.engine.abort(payload["request_id"])
-            self.ongoing -= 1
             self._ongoing_by_router[source] -= 1
             if not self._ongoing_by_router[source]:
                 del self._ongoing_by_router[source]
@@ -395,7 +393,7 @@ class EngineReplica:
     def record_routing_stats(self) -> dict[str, Any]:
         counters = self.engine.counters()
         return {"running": counters.running, "waiting": counters.waiting,
-                "ongoing": self.ongoing, "active_k": self.pool.active_k,
+                "ongoing": len(self._request_class), "active_k": self.pool.active_k,
                 # Routers price the requests that would wait behind a full batch.
                 "max_num_seqs": self.loop.max_batch,
                 # Routers take the other routers' share, in all and per class, and count

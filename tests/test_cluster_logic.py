@@ -409,7 +409,8 @@ def test_a_policy_that_needs_per_request_outcomes_is_refused_on_an_engine_withou
     request history yet" at every decision and never move K. The loop refuses it when built
     with it and when it is set later (keeping the policy it had); the simulator, which
     reports them as vLLM does, serves it."""
-    engine = SglangEngine(EngineSpec(engine="sglang", drafter="eagle", kmax=7))
+    engine = SglangEngine(EngineSpec(engine="sglang", drafter="eagle",
+                                     drafter_model="/models/eagle", kmax=7))
     pool = TierPool(engine, (0, 1, 3, 7))
     stability = build_policy({"name": "stability"}, pool.candidates)
     with pytest.raises(ValueError, match="per-request verify outcomes"):

@@ -60,3 +60,26 @@ def test_a_queue_limit_serve_would_refuse_at_deploy_is_refused_with_the_args(lim
     with pytest.raises(ValueError, match="-1 \\(no limit\\) or at least 1"):
         AppArgs.model_validate({"max_queued_requests": limit})
     assert AppArgs.model_validate({"max_queued_requests": -1}).max_queued_requests == -1
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    ({"policy": {"name": "static", "k": 2}}, "not one of the candidate tiers"),
+    ({"stream_interval_ms": float("inf")}, "milliseconds >= 0"),
+    ({"engine": {"engine": "sim", "sim_preset": "cpu-dmeo"}}, "unknown simulator preset"),
+    ({"engine": {"engine": "sglang", "drafter": "ngram"}}, "needs drafter eagle or eagle3"),
+    ({"engine": {"drafter": "eagle3"}}, "needs drafter_model"),
+])
+def test_args_every_replica_would_refuse_are_refused_before_anything_deploys(args, reason
+                                                                               ) -> None:
+    """Each of these passed the builder once and then failed in every replica's constructor,
+    after its engine had started (and Serve retried the replicas)."""
+    with pytest.raises(ValueError, match=reason):
+        AppArgs.model_validate(args)
+
+
+def test_mtp_drafts_from_the_target_checkpoint_unless_given_one() -> None:
+    """vLLM's mtp takes its draft layers from the target when no draft model is named."""
+    assert AppArgs.model_validate({"engine": {"drafter": "mtp"}}).engine.drafter_checkpoint() \
+        is None
+    assert AppArgs.model_validate({"engine": {"drafter": "mtp", "drafter_model": "/m"}}
+                                  ).engine.drafter_checkpoint() == "/m"

@@ -197,7 +197,7 @@ def test_the_draft_model_preset_is_the_engine_and_the_app_as_measured() -> None:
 def test_simulated_engines_cap_drafts_where_the_apps_adapter_would() -> None:
     """Per-request draft caps need vLLM's synchronous scheduler (the CPU) and a drafter whose
     proposals cost nothing: prompt lookup on the CPU preset has them; the draft model does
-    not, nor does the H20 preset, a GPU (as `VLLMEngine.applies_draft_caps` on CUDA)."""
+    not, nor does the H20 preset, a GPU (as `VllmEngine.applies_draft_caps` on CUDA)."""
     assert SimulatedEngine(PRESETS["cpu-demo"]).applies_draft_caps
     assert not SimulatedEngine(PRESETS["cpu-demo-draft"]).applies_draft_caps
     assert not SimulatedEngine(PRESETS["h20-llama8b-ngram"]).applies_draft_caps

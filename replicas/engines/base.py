@@ -215,10 +215,7 @@ def period_windows(engine: Any, class_of: Mapping[str, str]
     period (`Engine.finished_acceptance`, with their classes). Without the finished ones, a
     replica whose requests all finish within a period measures none of them."""
     running = engine.request_acceptance()
-    finished_acceptance = getattr(engine, "finished_acceptance", None)
-    if finished_acceptance is None:
-        return running, class_of
-    finished, finished_class = finished_acceptance()
+    finished, finished_class = engine.finished_acceptance()
     return RequestWindows.joined([running, finished]), {**class_of, **finished_class}
 
 

@@ -30,10 +30,7 @@ from replicas.engines.base import (
     admitted,
 )
 from replicas.engines.sglang_hooks import SET_K_RPC, STEP_SOCKET_ENV
-from replicas.engines.spec import EngineSpec
-
-# SGLang names for our drafters. Its adaptive tiers exist for EAGLE and EAGLE3 only.
-ALGORITHMS = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
+from replicas.engines.spec import SGLANG_ALGORITHMS, EngineSpec
 
 
 def sampling_params(request: GenerationRequest) -> dict[str, Any]:
@@ -71,10 +68,6 @@ class SglangEngine:
     returns_logprobs = False  # not wired through the adapter yet
 
     def __init__(self, spec: EngineSpec, replica_rank: int = 0):
-        if spec.drafter not in ALGORITHMS:
-            raise ValueError(
-                f"the SGLang adapter needs drafter eagle or eagle3 (SGLang's adaptive tiers "
-                f"support only those), got {spec.drafter!r}")
         self.spec = spec
         self.kmax = spec.kmax
         self.max_model_len = spec.max_model_len
@@ -103,7 +96,7 @@ class SglangEngine:
             context_length=self.spec.max_model_len,
             max_running_requests=self.spec.max_num_seqs, tp_size=self.spec.tensor_parallel_size,
             mem_fraction_static=self.spec.gpu_memory_utilization,
-            speculative_algorithm=ALGORITHMS[self.spec.drafter],
+            speculative_algorithm=SGLANG_ALGORITHMS[self.spec.drafter],
             speculative_draft_model_path=self.spec.drafter_checkpoint(),
             speculative_num_steps=self.kmax, speculative_eagle_topk=1,
             speculative_num_draft_tokens=self.kmax + 1,

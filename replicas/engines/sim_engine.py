@@ -150,9 +150,6 @@ class SimulatedEngine:
     def from_spec(cls, spec: EngineSpec, replica_rank: int = 0) -> SimulatedEngine:
         """Seeded by the spec's seed and the replica's rank: each replica of an app draws its
         own acceptance, and a run with the same seed draws the same again."""
-        if spec.sim_preset not in PRESETS:
-            raise ValueError(f"unknown simulator preset {spec.sim_preset!r}; "
-                             f"choose one of {', '.join(PRESETS)}")
         return cls(PRESETS[spec.sim_preset], kmax=spec.kmax, max_num_seqs=spec.max_num_seqs,
                    max_model_len=spec.max_model_len, time_scale=spec.sim_time_scale,
                    seed=(spec.seed, replica_rank))

@@ -146,7 +146,7 @@ class SimPreset:
     """Step time = base + per_seq*B + per_draft*K + per_token*max(0, drafts - knee) (seconds),
     where drafts = B*K unless per-request caps verified fewer.
 
-    `knee` is the number of extra verify tokens the hardware absorbs for free (memory-bound
+    `knee_tokens` is the number of extra verify tokens the hardware absorbs for free (memory-bound
     regime); beyond it verify cost grows with batch x K (compute-bound regime).
     """
 
@@ -168,7 +168,7 @@ class SimPreset:
     on_gpu: bool = False
     """The preset models a GPU, where the vLLM adapter offers no per-request draft caps
     either: vLLM schedules asynchronously there, so drafts never pass through the scheduler
-    between steps (`VLLMEngine.applies_draft_caps`), and the SGLang adapter has none."""
+    between steps (`VllmEngine.applies_draft_caps`), and the SGLang adapter has none."""
 
     @property
     def draft_caps(self) -> bool:
@@ -189,8 +189,9 @@ class SimPreset:
         name = request.request_class
         if name not in self.acceptance:  # "low_2" -> "low"
             name = name.split("_")[0]
-        if name not in self.acceptance:  # unlabelled: greedy repeats well, sampling does not
-            name = "high" if request.temperature <= 0.1 else "low"
+        if name not in self.acceptance:  # the ingress's classes, else the temperature's:
+            greedy = {"greedy": True, "sampled": False}.get(name, request.temperature <= 0.1)
+            name = "high" if greedy else "low"  # greedy repeats well, sampling does not
         types = _types(self.acceptance[name])
         if len(types) == 1:
             return types[0]

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from replicas.engines.sim_presets import PRESETS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Set in every engine process before anything reads it: Hugging Face's hub client and vLLM
@@ -18,6 +20,8 @@ DEMO_DRAFT = str(REPO_ROOT / "models" / "draft")
 
 Drafter = Literal["none", "ngram", "draft_model", "eagle", "eagle3", "mtp"]
 """`none` builds the engine without speculation: the plain-decoding baseline (only K=0)."""
+SGLANG_ALGORITHMS = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
+"""The drafters SGLang's adaptive tiers support, by SGLang's name for each."""
 
 
 class EngineSpec(BaseModel):
@@ -32,7 +36,8 @@ class EngineSpec(BaseModel):
     served_model_name: str | None = None
     drafter: Drafter = "ngram"
     drafter_model: str | None = None
-    """Checkpoint for draft_model / eagle / eagle3 drafters (the demo draft for draft_model)."""
+    """Checkpoint for draft_model / eagle / eagle3 drafters (the demo draft for draft_model);
+    for mtp, None drafts with the target checkpoint's own MTP layers, as vLLM does."""
     kmax: int = Field(15, ge=1, le=64)
     """Largest K the engine is built for; every candidate tier must be <= kmax."""
     tiers: tuple[int, ...] = ()
@@ -47,7 +52,8 @@ class EngineSpec(BaseModel):
     enforce_eager: bool = False
     """Skip torch.compile / graph capture: starts ~2x faster, steps ~30% slower on CPU."""
     kv_cache_memory_bytes: int | None = 256 * 2**20
-    """KV cache size on CPU; None lets the engine use its default share of memory."""
+    """KV cache size on CPU. vLLM's `VLLM_CPU_KVCACHE_SPACE` (GiB), when the environment sets
+    it, overrides it; None leaves the size to that variable, 1 GiB when it is unset."""
     cpu_threads: int | None = None
     """OMP threads per engine on CPU; None binds one core per replica rank."""
     tensor_parallel_size: int = Field(1, ge=1)
@@ -71,10 +77,25 @@ class EngineSpec(BaseModel):
         return self.drafter not in ("none", "ngram")
 
     def drafter_checkpoint(self) -> str | None:
-        if not self.drafts_with_a_model:
-            return None
-        if self.drafter_model:
-            return self.drafter_model
+        """The drafter's checkpoint; None for prompt lookup, plain decoding, and mtp from the
+        target's own layers."""
+        if not self.drafts_with_a_model or self.drafter_model:
+            return self.drafter_model if self.drafts_with_a_model else None
         if self.drafter == "draft_model":
             return DEMO_DRAFT
+        if self.drafter == "mtp":
+            return None
         raise ValueError(f"drafter {self.drafter!r} needs drafter_model (a checkpoint path)")
+
+    @model_validator(mode="after")
+    def _engine_can_build(self) -> EngineSpec:
+        """Refuse here what an adapter would refuse only once its replica started: the app
+        validates its config before it deploys anything (`AppArgs`)."""
+        if self.engine == "sglang" and self.drafter not in SGLANG_ALGORITHMS:
+            raise ValueError(f"the SGLang adapter needs drafter eagle or eagle3 (SGLang's "
+                             f"adaptive tiers support only those), got {self.drafter!r}")
+        if self.engine == "sim" and self.sim_preset not in PRESETS:
+            raise ValueError(f"unknown simulator preset {self.sim_preset!r}; "
+                             f"choose one of {', '.join(PRESETS)}")
+        self.drafter_checkpoint()
+        return self
