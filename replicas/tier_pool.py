@@ -63,12 +63,23 @@ class TierSwitch:
 class TierPool:
     def __init__(self, engine: Engine, candidates: Sequence[int], initial_k: int | None = None):
         self._engine = engine
-        self.candidates = validate_candidates(candidates, engine.kmax)
+        self.candidates = self._runnable(validate_candidates(candidates, engine.kmax))
         self.active_k = self.candidates[-1] if initial_k is None else self._checked(initial_k)
         self.switch_count = 0
         # The control loop and a run-time reconfiguration both switch: one at a time, so
         # `active_k` is always the tier the engine was last set to.
         self._lock = asyncio.Lock()
+
+    def _runnable(self, candidates: tuple[int, ...]) -> tuple[int, ...]:
+        """`candidates`, if the engine can run each: one that prepares its tiers at start-up
+        (`Engine.prepared_tiers`) runs no other."""
+        prepared = getattr(self._engine, "prepared_tiers", None)
+        unprepared = [k for k in candidates if prepared is not None and k not in prepared]
+        if unprepared:
+            raise ValueError(f"candidate K {unprepared} was not prepared when the "
+                             f"{self._engine.name} engine started, which runs only "
+                             f"{list(prepared)}; restart it with them among the candidates")
+        return candidates
 
     def _checked(self, k: int) -> int:
         if k not in self.candidates:
@@ -100,7 +111,8 @@ class TierPool:
                              ) -> TierSwitch | None:
         """Replace the candidate list at run time (within the engine's kmax, so no rebuild).
         Checked in full before anything changes: a bad list leaves the pool as it was."""
-        candidates = validate_candidates(candidates, self._engine.kmax, initial_k)
+        candidates = self._runnable(validate_candidates(candidates, self._engine.kmax,
+                                                        initial_k))
         async with self._lock:
             if initial_k is not None:
                 target = initial_k

@@ -404,13 +404,30 @@ def test_control_loop_hands_request_windows_to_the_policies_that_read_them(polic
     assert all(len(r.drafted) == loop.decide_every_steps for r in requests)
 
 
+def test_an_engine_that_prepares_its_tiers_at_start_up_is_given_no_other() -> None:
+    """SGLang builds a state per tier when it starts and runs no other: a candidate list
+    naming another K is refused at start-up and at run time (the pool keeping its list),
+    where it would otherwise fail at the first switch to that K, between engine steps."""
+    engine = SglangEngine(EngineSpec(engine="sglang", drafter="eagle",
+                                     drafter_model="/models/eagle", kmax=7, tiers=(0, 1, 3)))
+    assert engine.prepared_tiers == (0, 1, 3, 7)
+    with pytest.raises(ValueError, match=r"candidate K \[2\] was not prepared"):
+        TierPool(engine, (0, 2, 7))
+    pool = TierPool(engine, (0, 1, 7), initial_k=1)
+    with pytest.raises(ValueError, match=r"candidate K \[5\] was not prepared"):
+        asyncio.run(pool.set_candidates([0, 1, 5]))
+    assert pool.candidates == (0, 1, 7) and pool.active_k == 1
+    with pytest.raises(ValueError, match="not a tier prepared at start-up"):
+        asyncio.run(engine.set_k(5))
+
+
 def test_a_policy_that_needs_per_request_outcomes_is_refused_on_an_engine_without_them():
     """SGLang's adapter reports no per-request outcomes: there `stability` would answer "no
     request history yet" at every decision and never move K. The loop refuses it when built
     with it and when it is set later (keeping the policy it had); the simulator, which
     reports them as vLLM does, serves it."""
     engine = SglangEngine(EngineSpec(engine="sglang", drafter="eagle",
-                                     drafter_model="/models/eagle", kmax=7))
+                                     drafter_model="/models/eagle", kmax=7, tiers=(0, 1, 3, 7)))
     pool = TierPool(engine, (0, 1, 3, 7))
     stability = build_policy({"name": "stability"}, pool.candidates)
     with pytest.raises(ValueError, match="per-request verify outcomes"):

@@ -173,6 +173,23 @@ def test_a_classes_request_types_are_dealt_by_seed_else_by_id() -> None:
         GenerationRequest("s", prompt="p", max_tokens=8, request_class="low_2", seed=5))
 
 
+def test_the_ingress_classes_choose_the_acceptance_as_the_ingress_chose_them() -> None:
+    """The app's requests come as "greedy" or "sampled" (the ingress's rule); a request at
+    temperature 0.05 is sampled there, so the simulator must not draw copy-like acceptance
+    for it (its rule for unlabelled requests, temperature <= 0.1, would)."""
+    preset = PRESETS["cpu-demo"]
+
+    def acceptance(request_class: str, temperature: float) -> object:
+        return preset.acceptance_for(GenerationRequest(
+            "r", prompt="p", max_tokens=8, temperature=temperature,
+            request_class=request_class))
+
+    assert acceptance("sampled", 0.05) == preset.acceptance["low"]
+    assert acceptance("greedy", 0.0) == preset.acceptance["high"]
+    assert acceptance("default", 0.05) == preset.acceptance["high"]
+    assert acceptance("default", 0.8) == preset.acceptance["low"]
+
+
 def test_the_draft_model_preset_is_the_engine_and_the_app_as_measured() -> None:
     """Step times within 8% of the engine benchmark's draft-model rows, and the acceptance
     lengths the high phases showed over HTTP under each static tier within 2% (the requests'

@@ -265,8 +265,10 @@ class Engine(Protocol):
     """An inference engine with run-time speculation depth.
 
     `kmax` is the largest K the engine was built for; `set_k` takes any K in [0, kmax] and
-    applies it from the next scheduled step on. Stats come two ways: `drain_steps()` returns
-    the per-step records since the last call (for the control loop), `counters()` the totals.
+    applies it from the next scheduled step on, or, on an engine that prepares its tiers at
+    start-up and runs no other (SGLang), any K in its `prepared_tiers`. Stats come two ways:
+    `drain_steps()` returns the per-step records since the last call (for the control loop),
+    `counters()` the totals.
     An engine that can attribute acceptance to requests also has `request_acceptance()`: each
     running request's last `REQUEST_WINDOW` verify outcomes (`policies.signals`),
     and `finished_acceptance()`: the same of the requests that finished since the last call,

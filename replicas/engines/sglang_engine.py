@@ -70,6 +70,8 @@ class SglangEngine:
     def __init__(self, spec: EngineSpec, replica_rank: int = 0):
         self.spec = spec
         self.kmax = spec.kmax
+        # SGLang builds a state (backends, CUDA graphs) per tier at start-up and runs no other.
+        self.prepared_tiers = tuple(sorted({*spec.tiers, spec.kmax}))
         self.max_model_len = spec.max_model_len
         self._engine: Any = None
         self._records: list[StepRecord] = []
@@ -88,9 +90,8 @@ class SglangEngine:
         self._socket = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self._socket.bind(address)
         os.environ[STEP_SOCKET_ENV] = address
-        tiers = sorted({*self.spec.tiers, self.kmax})
         config = Path(tempfile.mkdtemp()) / "adaptive.json"
-        config.write_text(json.dumps({"1": {"candidate_steps": tiers}}))
+        config.write_text(json.dumps({"1": {"candidate_steps": list(self.prepared_tiers)}}))
         self._engine = sglang.Engine(
             model_path=self.spec.model, dtype=self.spec.dtype, random_seed=self.spec.seed,
             context_length=self.spec.max_model_len,
@@ -111,8 +112,8 @@ class SglangEngine:
             self._totals.add(step)
 
     async def set_k(self, k: int) -> None:
-        if not 0 <= k <= self.kmax:
-            raise ValueError(f"K={k} outside [0, {self.kmax}]")
+        if k not in self.prepared_tiers:
+            raise ValueError(f"K={k} is not a tier prepared at start-up {self.prepared_tiers}")
         # collective_rpc blocks until the scheduler has run the call between two batches.
         await asyncio.to_thread(self._engine.collective_rpc, SET_K_RPC, k=k)
         self._k = k
