@@ -79,12 +79,12 @@ class EngineSpec(BaseModel):
     def drafter_checkpoint(self) -> str | None:
         """The drafter's checkpoint; None for prompt lookup, plain decoding, and mtp from the
         target's own layers."""
-        if not self.drafts_with_a_model or self.drafter_model:
-            return self.drafter_model if self.drafts_with_a_model else None
+        if not self.drafts_with_a_model:
+            return None
+        if self.drafter_model or self.drafter == "mtp":
+            return self.drafter_model
         if self.drafter == "draft_model":
             return DEMO_DRAFT
-        if self.drafter == "mtp":
-            return None
         raise ValueError(f"drafter {self.drafter!r} needs drafter_model (a checkpoint path)")
 
     @model_validator(mode="after")
