@@ -43,6 +43,7 @@ from app.openai_format import ChatFormat, CompletionFormat, error_body, json_bod
 from observability import tracing
 from observability.exposition import CONTENT_TYPE, render_prometheus
 from observability.metrics import RequestMetrics
+from policies.class_acceptance import GREEDY_CLASS, SAMPLED_CLASS
 from replicas.engines.base import SAMPLING_CONTROLS
 from replicas.runtime_change import parse_change
 
@@ -463,7 +464,8 @@ class Ingress:
                 "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
                 "stop": body.stops(), "ignore_eos": body.ignore_eos,
                 **{name: getattr(body, name) for name in SAMPLING_CONTROLS},
-                "request_class": "greedy" if body.temperature < GREEDY_BELOW else "sampled",
+                "request_class": GREEDY_CLASS if body.temperature < GREEDY_BELOW
+                else SAMPLED_CLASS,
                 "stream": body.stream, **extra}
 
     async def _respond(self, request: Request, body: SamplingFields, payload: dict[str, Any],

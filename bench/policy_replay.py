@@ -33,7 +33,13 @@ from typing import Any
 from bench.cli import check_output_dirs, non_negative_number, positive
 from bench.report import compare_to_statics, print_table, verdict
 from bench.workloads import sweep_shape
-from policies.class_acceptance import ClassAcceptance, ClassPrior, class_counts
+from policies.class_acceptance import (
+    GREEDY_CLASS,
+    SAMPLED_CLASS,
+    ClassAcceptance,
+    ClassPrior,
+    class_counts,
+)
 from policies.registry import build_policy
 from policies.signals import REQUEST_WINDOW, RequestAcceptance, RequestWindows, Signals
 from replicas.control_loop import ControlLoop
@@ -66,7 +72,7 @@ TELEMETRY_PERIOD_S = 0.5
 def app_class(phase_class: str) -> str:
     """The class the app's ingress gives a request of this phase: greedy for the high
     phases' prompts (temperature 0), sampled for the low ones' (see `bench.workloads`)."""
-    return "greedy" if phase_class.startswith("high") else "sampled"
+    return GREEDY_CLASS if phase_class.startswith("high") else SAMPLED_CLASS
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ WEIGHT_NEW = 0.3
 """Weight of a telemetry period's fresh rate in the decayed one (about the last 3 periods)."""
 DEFAULT_CLASS = "default"
 """The class of a request that entered without one."""
+GREEDY_CLASS, SAMPLED_CLASS = "greedy", "sampled"
+"""The classes the app's ingress gives requests, by their temperature."""
 FRESH_PERIODS = 8
 """A measured position stays fresh this many telemetry periods (4 s at the app's 0.5 s, about
 the steps `goodput` waits between probes at 16 ms a step)."""

@@ -71,8 +71,8 @@ def test_a_queue_limit_serve_would_refuse_at_deploy_is_refused_with_the_args(lim
 ])
 def test_args_every_replica_would_refuse_are_refused_before_anything_deploys(args, reason
                                                                                ) -> None:
-    """Each of these passed the builder once and then failed in every replica's constructor,
-    after its engine had started (and Serve retried the replicas)."""
+    """Each of these passed the builder once and then failed in every replica's constructor
+    (on vLLM after its engine had started), and Serve retried the replicas."""
     with pytest.raises(ValueError, match=reason):
         AppArgs.model_validate(args)
 

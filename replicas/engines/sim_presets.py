@@ -11,7 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
+from policies.class_acceptance import GREEDY_CLASS, SAMPLED_CLASS
 from replicas.engines.base import GenerationRequest
+
+INGRESS_CLASSES = {GREEDY_CLASS: "high", SAMPLED_CLASS: "low"}
+"""The preset class that stands for each class the app's ingress gives (a greedy request
+repeats well, a sampled one does not); an unlabelled request goes by its temperature."""
 
 
 @dataclass(frozen=True)
@@ -189,9 +194,8 @@ class SimPreset:
         name = request.request_class
         if name not in self.acceptance:  # "low_2" -> "low"
             name = name.split("_")[0]
-        if name not in self.acceptance:  # the ingress's classes, else the temperature's:
-            greedy = {"greedy": True, "sampled": False}.get(name, request.temperature <= 0.1)
-            name = "high" if greedy else "low"  # greedy repeats well, sampling does not
+        if name not in self.acceptance:  # greedy repeats well, sampling does not
+            name = INGRESS_CLASSES.get(name, "high" if request.temperature <= 0.1 else "low")
         types = _types(self.acceptance[name])
         if len(types) == 1:
             return types[0]
