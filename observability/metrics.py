@@ -32,9 +32,8 @@ from opentelemetry.sdk.metrics.export import (
     MetricReader,
     PeriodicExportingMetricReader,
 )
-from opentelemetry.sdk.resources import Resource
 
-from observability.otlp import metric_exporter, otlp_configured
+from observability.otlp import metric_exporter, otlp_configured, service_resource
 from observability.per_position import accumulate
 
 if TYPE_CHECKING:  # type-only: observability imports no other specserve package at run time
@@ -141,7 +140,10 @@ _BY_INSTRUMENT: dict[str, MetricSpec] = {m.instrument_name: m for m in METRICS}
 class _Recorder:
     """A private MeterProvider with a pull reader (and OTLP push when configured)."""
 
-    def __init__(self, service_name: str, instance_id: str) -> None:
+    service_name: str
+    """The default `service.name` (`OTEL_SERVICE_NAME` overrides it)."""
+
+    def __init__(self, instance_id: str) -> None:
         self._reader = InMemoryMetricReader()
         readers: list[MetricReader] = [self._reader]
         self.exporting = otlp_configured("METRICS")
@@ -150,8 +152,7 @@ class _Recorder:
             readers.append(PeriodicExportingMetricReader(metric_exporter()))
         self._provider = MeterProvider(
             metric_readers=readers,
-            resource=Resource.create({"service.name": service_name,
-                                      "service.instance.id": instance_id}),
+            resource=service_resource(self.service_name, **{"service.instance.id": instance_id}),
             # Exemplars would look up the current span on every histogram record.
             exemplar_filter=AlwaysOffExemplarFilter())
         self._meter = self._provider.get_meter("specserve")
@@ -220,10 +221,11 @@ class ReplicaMetrics(_Recorder):
     The wasted-draft ratio covers the steps recorded in the last `window_s` seconds.
     """
 
+    service_name = "specserve-replica"
+
     def __init__(self, replica_id: str, candidates: Sequence[int] = (), *,
-                 window_s: float = 30.0, service_name: str = "specserve-replica",
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(service_name, str(replica_id))
+                 window_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(str(replica_id))
         self.replica_id = str(replica_id)
         self._attrs = {"replica": self.replica_id}
         self._clock = clock
@@ -352,9 +354,10 @@ class ReplicaMetrics(_Recorder):
 class RequestMetrics(_Recorder):
     """Ingress request series, each labelled `ingress=<ingress_id>` and `model`."""
 
-    def __init__(self, ingress_id: str = "ingress", *,
-                 service_name: str = "specserve-ingress") -> None:
-        super().__init__(service_name, str(ingress_id))
+    service_name = "specserve-ingress"
+
+    def __init__(self, ingress_id: str = "ingress") -> None:
+        super().__init__(str(ingress_id))
         self.ingress_id = str(ingress_id)
         self._ttft = self._histogram("specserve_request_ttft_seconds")
         self._tpot = self._histogram("specserve_request_tpot_seconds")

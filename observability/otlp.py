@@ -4,6 +4,7 @@ Export is opt-in: nothing is exported unless `OTEL_EXPORTER_OTLP_ENDPOINT` or th
 `OTEL_EXPORTER_OTLP_{TRACES,METRICS}_ENDPOINT` is set (and `OTEL_SDK_DISABLED` is not true).
 The protocol comes from `OTEL_EXPORTER_OTLP_[{SIGNAL}_]PROTOCOL`: `http/protobuf` (default) or
 `grpc`. The exporters themselves read the endpoint, headers and timeouts from the environment.
+`OTEL_SERVICE_NAME` names the service in place of each process's default.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricExporter
+    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace.export import SpanExporter
 
 Signal = Literal["TRACES", "METRICS"]
@@ -23,6 +25,16 @@ def otlp_configured(signal: Signal) -> bool:
         return False
     return bool(os.environ.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
                 or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+
+
+def service_resource(default_name: str, **attributes: str) -> Resource:
+    """The resource a process's spans and metrics carry: `service.name` from
+    `OTEL_SERVICE_NAME` when set, else `default_name`, plus `attributes`."""
+    from opentelemetry.sdk.resources import Resource
+
+    # An explicit service.name would override the variable, which the OTel spec lets users set.
+    name = os.environ.get("OTEL_SERVICE_NAME", "").strip() or default_name
+    return Resource.create({"service.name": name, **attributes})
 
 
 def _protocol(signal: Signal) -> str:

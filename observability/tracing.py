@@ -27,7 +27,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from observability.otlp import otlp_configured, span_exporter
+from observability.otlp import otlp_configured, service_resource, span_exporter
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -68,7 +68,6 @@ def configure_tracing(service_name: str, sampling_ratio: float | None = None, *,
             return False
         exporter = span_exporter()
 
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
@@ -80,7 +79,7 @@ def configure_tracing(service_name: str, sampling_ratio: float | None = None, *,
     if record_prompts is None:
         record_prompts = os.environ.get("SPECSERVE_TRACE_PROMPTS", "") == "1"
     provider = TracerProvider(
-        resource=Resource.create({"service.name": service_name}),
+        resource=service_resource(service_name),
         sampler=ParentBased(TraceIdRatioBased(sampling_ratio)))
     # Batching keeps export off the request path.
     provider.add_span_processor(BatchSpanProcessor(exporter))

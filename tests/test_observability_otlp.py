@@ -23,7 +23,8 @@ def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     for name in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_SDK_DISABLED",
-                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"):
+                 "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+                 "OTEL_SERVICE_NAME"):
         monkeypatch.delenv(name, raising=False)
     yield server
     tracing.shutdown_tracing()
@@ -60,7 +61,25 @@ def test_spans_reach_the_otlp_receiver(receiver: Receiver) -> None:
     assert service["service.name"] == "specserve-test"
 
 
-def test_metrics_reach_the_otlp_receiver(receiver: Receiver) -> None:
+def test_otel_service_name_names_the_traced_service(receiver: Receiver,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "shop-llm")
+    assert tracing.configure_tracing("specserve-ingress", force=True)
+    tracing.finish_span(tracing.start_ingress_span("POST /v1/completions", None,
+                                                   request_id="req-1"))
+    assert tracing.force_flush_tracing()
+    service = {a.key: a.value.string_value
+               for a in receiver.traces[0].resource_spans[0].resource.attributes}
+    assert service["service.name"] == "shop-llm"
+
+
+@pytest.mark.parametrize("service_name", [None, "shop-llm"])
+def test_metrics_reach_the_otlp_receiver(receiver: Receiver, monkeypatch: pytest.MonkeyPatch,
+                                          service_name: str | None) -> None:
+    """Each replica's series carry its instance id, under `specserve-replica` unless the
+    user names the service with `OTEL_SERVICE_NAME`, as every OTel SDK lets them."""
+    if service_name:
+        monkeypatch.setenv("OTEL_SERVICE_NAME", service_name)
     metrics = ReplicaMetrics("r7", candidates=(0, 3))
     try:
         assert metrics.exporting
@@ -83,6 +102,10 @@ def test_metrics_reach_the_otlp_receiver(receiver: Receiver) -> None:
     (hist,) = points["specserve_spec_acceptance_length"]
     assert hist.count == 1 and hist.sum == pytest.approx(3.0)
     assert len(points["specserve_spec_accepted_tokens_per_position"]) == 3
+    resource = {a.key: a.value.string_value
+                for a in receiver.metrics[0].resource_metrics[0].resource.attributes}
+    assert resource["service.name"] == (service_name or "specserve-replica")
+    assert resource["service.instance.id"] == "r7"
 
 
 def test_protocol_selects_the_exporter(monkeypatch: pytest.MonkeyPatch) -> None:
