@@ -131,7 +131,7 @@ async def acceptance_summary(engine: Engine, pool: TierPool, drafter: str
     """Draft acceptance rate (accepted / drafted) at K=3 on each kind of text, greedy and not."""
     kinds = {
         "copy, greedy": list(HIGH),
-        "free code, greedy": [Prompt(p.text, 0.0, p.request_class) for p in LOW],
+        "free code, greedy": [Prompt(p.text, 0.0) for p in LOW],
         "free code, T=0.8": list(LOW),
     }
     await pool.switch(3)

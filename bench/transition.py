@@ -155,7 +155,9 @@ async def run_phase(client: Client, phase: Phase, seed_base: int) -> PhaseResult
             try:
                 tokens, latency = await client.complete(
                     phase.prompts[index % len(phase.prompts)], seed_base + index)
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError, KeyError):
+                # Refused, cut, or a reply without a completion's usage (a body that is not
+                # the JSON asked for): an error of this request; the phase goes on.
                 result.errors += 1
                 continue
             result.tokens += tokens

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 class Prompt:
     text: str
     temperature: float
-    request_class: str
 
 
 def _repeated(line: str, times: int = 24) -> str:
@@ -45,9 +44,8 @@ LOW_TEXTS = (
     "def main(argv=None):\n    parser =",
 )
 
-HIGH = tuple(Prompt(text, temperature=0.0, request_class="high") for text in HIGH_TEXTS)
-LOW = tuple(Prompt(text, temperature=0.8, request_class="low") for text in LOW_TEXTS)
-
+HIGH = tuple(Prompt(text, temperature=0.0) for text in HIGH_TEXTS)
+LOW = tuple(Prompt(text, temperature=0.8) for text in LOW_TEXTS)
 
 
 def interleaved(first: Sequence[Prompt], second: Sequence[Prompt]) -> tuple[Prompt, ...]:

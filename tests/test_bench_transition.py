@@ -29,12 +29,14 @@ from bench.policy_replay import phases_for
 from bench.report import RatioInterval, percentile, t_975
 from bench.transition import (
     Client,
+    Phase,
     again,
     bench,
     build_parser,
     check_modes,
     policy_for_mode,
     round_order,
+    run_phase,
     select_phases,
     sweep_phases,
     with_aa_copy,
@@ -593,3 +595,26 @@ def test_an_app_that_cannot_be_reached_or_lacks_the_model_ends_the_run_in_one_li
                                     transport=httpx.MockTransport(served))
     with pytest.raises(SystemExit, match="the app serves target, not 'nope'"):
         asyncio.run(client.resolve_model())
+
+
+def test_a_reply_that_is_not_a_completion_is_an_error_and_the_phase_goes_on() -> None:
+    """A 200 whose body is not the completion asked for (not JSON, or JSON without usage)
+    counts as that request's error; the phase's other requests still count."""
+    served = iter(range(6))
+
+    def app(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/admin/replicas":
+            return httpx.Response(200, json={"replicas": [
+                {"replica_id": "r", "counters": {"sequence_steps": 0}}]})
+        number = next(served)
+        if number == 1:
+            return httpx.Response(200, text="<html>proxy error</html>")
+        if number == 4:
+            return httpx.Response(200, json={"choices": []})
+        return httpx.Response(200, json={"usage": {"completion_tokens": 8}})
+
+    client = Client("http://127.0.0.1:1", "m", 8, None)
+    client.http = httpx.AsyncClient(base_url="http://127.0.0.1:1",
+                                    transport=httpx.MockTransport(app))
+    result = asyncio.run(run_phase(client, Phase("high_1", HIGH, 2, 6), seed_base=0))
+    assert (result.errors, result.tokens, len(result.latencies)) == (2, 32, 4)
