@@ -223,7 +223,7 @@ def test_the_http_sweep_mixes_both_kinds_of_text_and_the_replay_sweep_has_its_sh
     assert [(p.name, p.concurrency, p.requests) for p in http] == \
         [("c1", 1, 16), ("c16", 16, 32), ("c64", 64, 128), ("c1_end", 1, 16)]
     assert all(p.prompts == MIX for p in http)
-    assert [p.request_class for p in MIX[:4]] == ["high", "low", "high", "low"]
+    assert MIX[:4] == (HIGH[0], LOW[0], HIGH[1], LOW[1])
     assert len(MIX) == len(HIGH) + len(LOW)
     replay = phases_for("sweep", requests=16, concurrency=8)
     assert [(p.name, p.concurrency, p.requests) for p in replay] == \
