@@ -13,11 +13,14 @@ latest joins them too): older runs measured an older policy, so those rounds get
 their own, judged by the same rules, next to the rows of every run. The rules:
 
 - HTTP, overall: an adaptive mode over the best static, round by round over every pooled
-  round, as a geometric mean with its 95% interval (`RatioInterval`), against each static
-  that was the best of some pooled run (pooled medians mix machines of different speeds, so
-  the pool's own best static is no safe choice): met where the interval lies above 1.0
-  against every one of them, missed where it lies below against any, else not resolved (and
-  then the last run's medians say on which side it fell).
+  round, as a geometric mean with its 95% interval (`RatioInterval`), and run by run (each
+  run's geometric mean one sample: the rounds of one app start on one machine may share a
+  level, which the rounds' interval would count as independent evidence), against each
+  static that was the best of some pooled run (pooled medians mix machines of different
+  speeds, so the pool's own best static is no safe choice): above the bar against a static
+  where both intervals lie above it (the rounds' alone for a single run), below it where
+  both lie below; met where above against every one of them, missed where below against
+  any, else not resolved (and then the last run's medians say on which side it fell).
 - HTTP, per phase: the same against 0.9 in every phase, against each phase's best statics.
 - Cluster simulation: the ratios of its saved run (`bench.cluster_sim`), met at a fleet size
   where they reach the bar, as the median over the burst patterns where several ran; wall
@@ -53,16 +56,20 @@ OUTCOME = {"above": "met", "below": "missed", "not resolved": "not resolved"}
 @dataclass(frozen=True)
 class Judged:
     """A mode's pooled rounds against each candidate best static (see `judge`): the outcome
-    at `bar`, and the static that decides it with its round-by-round interval."""
+    at `bar`, and the static that decides it with its round-by-round interval and its
+    run-by-run one (None for a single run)."""
 
     outcome: str
     """"above", "below" or "not resolved"; "no interval" with fewer than two rounds or a
     round in which the mode or the static made nothing."""
     static: str
     interval: RatioInterval | None
+    by_runs: RatioInterval | None = None
 
     def __str__(self) -> str:
-        return f"{self.interval or 'n/a'} of {self.static}"
+        runs = f" (by runs [{self.by_runs.low:.3f}-{self.by_runs.high:.3f}])" \
+            if self.by_runs else ""
+        return f"{self.interval or 'n/a'}{runs} of {self.static}"
 
 
 def with_latest(runs: list[dict[str, Any]], last: dict[str, Any]) -> list[dict[str, Any]]:
@@ -74,21 +81,28 @@ def with_latest(runs: list[dict[str, Any]], last: dict[str, Any]) -> list[dict[s
 def judge(runs: list[dict[str, Any]], pooled: dict[str, Any], mode: str, bar: float,
           phase: str | None = None) -> Judged:
     """`mode`'s pooled rounds (overall, or in `phase`) against each static that was the best
-    of some run there, among the statics every run has: above `bar` only if above it
-    against every one, below it if below against any, else not resolved. The static shown
-    decides: one it lies below (the lowest), else the one with the lowest interval."""
+    of some run there, among the statics every run has, by rounds and by runs: above `bar`
+    only if above it against every one, below it if below against any, else not resolved.
+    The static shown decides: one it lies below (the lowest), else the one with the lowest
+    interval."""
     statics = [m for m in pooled["modes"] if is_static(m)]
     candidates = sorted({best_static(run["modes"], statics, phase) for run in runs})
-    intervals = {static: RatioInterval.of(paired_ratios(pooled["modes"], [static], mode, phase))
-                 for static in candidates}
-    if missing := [static for static, interval in intervals.items() if interval is None]:
-        return Judged("no interval", missing[0], None)
-    below = [s for s in candidates if intervals[s].against(bar) == "below"]
+    judged = {}
+    for static in candidates:
+        interval = RatioInterval.of(paired_ratios(pooled["modes"], [static], mode, phase))
+        if interval is None:
+            return Judged("no interval", static, None)
+        by_runs = RatioInterval.over_groups(
+            [paired_ratios(run["modes"], [static], mode, phase) for run in runs]
+        ) if len(runs) > 1 else None
+        sides = {interval.against(bar), *([by_runs.against(bar)] if by_runs else ())}
+        judged[static] = Judged(sides.pop() if len(sides) == 1 else "not resolved", static,
+                                interval, by_runs)
+    below = [j for j in judged.values() if j.outcome == "below"]
     if below:
-        static = min(below, key=lambda s: intervals[s].high)
-        return Judged("below", static, intervals[static])
-    static = min(candidates, key=lambda s: intervals[s].low)
-    return Judged(intervals[static].against(bar), static, intervals[static])
+        return min(below, key=lambda j: j.interval.high)
+    return min(judged.values(),
+               key=lambda j: min(j.interval.low, j.by_runs.low if j.by_runs else math.inf))
 
 
 def last_run_cell(run: dict[str, Any], mode: str) -> str:
@@ -271,7 +285,7 @@ def render(results: Path = RESULTS) -> str:
     return print_table(
         "THE MUST-SHOWS (made by `python -m bench.must_shows` from the saved runs; the rules "
         "in its docstring)",
-        ["bar", "the last run", "pooled, round by round", "verdict"], rows)
+        ["bar", "the last run", "pooled: round by round (by runs)", "verdict"], rows)
 
 
 def main() -> None:

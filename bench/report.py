@@ -105,7 +105,21 @@ class RatioInterval:
         that round)."""
         if len(ratios) < 2 or not all(r > 0 for r in ratios):  # nan too
             return None
-        logs = [math.log(r) for r in ratios]
+        return cls._of_logs([math.log(r) for r in ratios])
+
+    @classmethod
+    def over_groups(cls, groups: Sequence[Sequence[float]]) -> RatioInterval | None:
+        """The same with each group's geometric mean as one sample: for groups whose ratios
+        may share a level (the rounds of one app start, on one machine), which `of` would
+        count as independent. None for fewer than two groups, an empty group, or a ratio
+        `of` refuses."""
+        if len(groups) < 2 or not all(groups) or \
+                not all(r > 0 for group in groups for r in group):
+            return None
+        return cls._of_logs([statistics.fmean(math.log(r) for r in group) for group in groups])
+
+    @classmethod
+    def _of_logs(cls, logs: list[float]) -> RatioInterval:
         centre = statistics.fmean(logs)
         half = t_975(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
         return cls(math.exp(centre), math.exp(centre - half), math.exp(centre + half))

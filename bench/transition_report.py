@@ -341,7 +341,8 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     field existed are not compared on it. The modes are those every run has
     (the others are named under "pooled"), and the A/A control only if every run had it.
     The interval then treats every round alike, though rounds of one app start may share a
-    level: the report names each run's own ratio beside it (see `main`)."""
+    level: the report names each run's own ratio beside it, and the interval over the runs
+    (see `main`)."""
     first = runs[0]
     for key in ("workload", "phases", "max_tokens"):
         if any(run.get(key) != first.get(key) for run in runs):
@@ -387,6 +388,16 @@ def run_ratios(runs: list[dict[str, Any]], mode: str) -> list[str]:
     return ratios
 
 
+def over_runs(runs: list[dict[str, Any]], pooled: dict[str, Any], mode: str) -> str:
+    """`mode` over the pooled medians' best static, as a geometric mean over the runs with
+    its 95% interval: the rounds of one app start may share a level, so the round-by-round
+    interval below can read narrower than the runs allow."""
+    best = best_static(pooled["modes"], [m for m in pooled["modes"] if is_static(m)])
+    interval = RatioInterval.over_groups([paired_ratios(run["modes"], [best], mode)
+                                          for run in runs])
+    return f"{interval or 'n/a'} of {best}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description="Re-render HTTP benchmark results, one run or several pooled")
@@ -405,8 +416,11 @@ def main() -> None:
     else:
         pooled = pool(runs)
         notes = [f"POOLED: {len(runs)} runs ({', '.join(p.name for p in args.json)})"]
-        notes += [f"each run alone, {mode} / its best static: {', '.join(run_ratios(runs, mode))}"
-                  for mode in pooled["modes"] if not is_static(mode)]
+        for mode in (m for m in pooled["modes"] if not is_static(m)):
+            notes.append(f"each run alone, {mode} / its best static: "
+                         f"{', '.join(run_ratios(runs, mode))}")
+            notes.append(f"{mode} over the runs (each run's rounds one sample): "
+                         f"{over_runs(runs, pooled, mode)}")
         if left_out := pooled["pooled"]["modes_left_out"]:
             notes.append(f"left out (not in every run): {', '.join(left_out)}")
         if pooled["pooled"]["aa_control_left_out"]:

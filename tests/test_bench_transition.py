@@ -440,6 +440,21 @@ def test_a_ratio_interval_is_a_t_interval_on_the_logs_of_the_rounds_ratios() -> 
     assert RatioInterval.of([1.1, 0.0]) is None, "a round where a mode made nothing has no log"
 
 
+def test_an_interval_over_groups_takes_each_groups_geometric_mean_as_one_sample() -> None:
+    """Runs whose rounds agree among themselves but not with each other: the rounds alone
+    look resolved, the runs do not."""
+    runs = [[1.10, 1.105, 1.095] * 2, [1.04, 1.045, 1.035] * 2, [0.99, 0.995, 0.985] * 2]
+    by_rounds = RatioInterval.of([r for run in runs for r in run])
+    by_runs = RatioInterval.over_groups(runs)
+    assert by_rounds.against(1.0) == "above" and by_runs.against(1.0) == "not resolved"
+    means = [statistics.fmean(math.log(r) for r in run) for run in runs]
+    half = t_975(2) * statistics.stdev(means) / math.sqrt(3)
+    assert by_runs.mean == pytest.approx(math.exp(statistics.fmean(means)))
+    assert by_runs.low == pytest.approx(math.exp(statistics.fmean(means) - half))
+    assert RatioInterval.over_groups(runs[:1]) is None, "one run: no spread between runs"
+    assert RatioInterval.over_groups([runs[0], []]) is None
+
+
 @pytest.mark.parametrize(("degrees_of_freedom", "exact", "tolerance"), [
     # Exact two-sided 95% quantiles (from the regularised incomplete beta function): the
     # table's, rounded to three places, then the expansion's past it.

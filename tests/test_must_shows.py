@@ -84,6 +84,19 @@ def test_the_pooled_interval_decides_the_overall_bar(tmp_path, ratios, verdict):
     assert "2 runs, 6 rounds" in row[2]
 
 
+def test_runs_that_disagree_leave_a_bar_unresolved_that_their_rounds_alone_would_meet(
+        tmp_path):
+    """Each run's rounds agree closely, the runs do not: counted as 18 independent rounds
+    the ratio lies above 1.0, but over the three runs (each its own level) it does not."""
+    runs = {name: a_run(steady(100.0, ratios)) for name, ratios in (
+        ("a.json", [1.10, 1.105, 1.095] * 2), ("b.json", [1.04, 1.045, 1.035] * 2),
+        ("c.json", [0.99, 0.995, 0.985] * 2))}
+    row = verdict_row(table_of(tmp_path, runs, ["a.json", "b.json"], "c.json"),
+                      "transition: `goodput`")
+    assert "3 runs, 18 rounds: 1.042 [1.020-1.066] (by runs [0.914-1.188]) of static1" in row[2]
+    assert row[3].startswith("overall **not resolved**")
+
+
 def test_a_phase_below_the_bar_is_named(tmp_path):
     def rounds(base: float) -> dict[str, list[dict]]:
         return {"static1": [a_round(base) for _ in range(3)],
