@@ -271,21 +271,28 @@ def lone_surrogate_at(node: Any) -> str | None:
     JSON's escapes can spell half of a UTF-16 surrogate pair ("\\ud800"); Python decodes it
     into a str that no tokenizer can encode, so it is refused at the door rather than failing
     deep in the engine. Walked with a stack of its own, not by recursion: a body nested
-    nearly as deep as the JSON parser allows would exhaust the interpreter's."""
-    pending: list[tuple[Any, str]] = [(node, "")]
+    nearly as deep as the JSON parser allows would exhaust the interpreter's. Each entry links
+    to its parent's, and the path is spelled only for the string found: spelling every
+    child's path would copy a long key or a deep path once per child, gigabytes for a body of
+    a megabyte."""
+    # Each entry: a node and its trail, (its key, the parent's trail); None at the root.
+    pending: list[tuple[Any, tuple[Any, Any] | None]] = [(node, None)]
     while pending:
-        node, path = pending.pop()
+        node, trail = pending.pop()
         if isinstance(node, str):
             try:
                 node.encode("utf-8")
             except UnicodeEncodeError:
-                return path or "body"
+                keys = []
+                while trail is not None:
+                    key, trail = trail
+                    keys.append(str(key))
+                return ".".join(reversed(keys)) or "body"
             continue
         children = node.items() if isinstance(node, dict) else enumerate(node) \
             if isinstance(node, list) else ()
         # Reversed onto the stack, so the first such string in document order is named.
-        pending.extend(reversed([(value, f"{path}.{key}" if path else str(key))
-                                 for key, value in children]))
+        pending.extend(reversed([(value, (key, trail)) for key, value in children]))
     return None
 
 
@@ -387,7 +394,7 @@ class Ingress:
                 raise APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except ValueError as error:  # malformed, not UTF-8, or an integer of over 4300 digits
             raise APIError(400, f"request body is not valid JSON: {error}") from error
         except RecursionError as error:  # the parser recurses per level of nesting
             raise APIError(400, "request body is not valid JSON here: nested too deeply"

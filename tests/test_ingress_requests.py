@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tracemalloc
 from typing import Any
 
 import pytest
@@ -180,3 +181,26 @@ def test_a_lone_surrogate_is_found_at_any_depth_without_recursion():
         "stop.1"
     assert lone_surrogate_at({"x": deep}) == "x" + ".0" * 5000
     assert lone_surrogate_at(json.loads(nested(900, '"ok"'))) is None
+
+
+def test_a_body_of_long_keys_over_many_values_is_walked_in_its_own_size():
+    """A path per child would copy a 200,000-character key once for each of 100,000
+    values (20 GB); the walk holds a link per child and spells only the path it names."""
+    key = "k" * 200_000
+    tracemalloc.start()
+    try:
+        assert lone_surrogate_at({key: [0] * 100_000}) is None
+        assert lone_surrogate_at({key: [0] * 99_999 + ["\ud800"]}) == f"{key}.99999"
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 * 2**20
+
+
+@pytest.mark.parametrize("route", ["completions", "chat_completions"])
+def test_an_integer_past_pythons_digit_limit_is_a_400(route: str):
+    front = bare_ingress(Engine())
+    body = b'{"model": "target", "prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}"
+    with pytest.raises(APIError) as raised:
+        asyncio.run(getattr(front, route)(http_request(body)))
+    assert raised.value.status == 400 and "not valid JSON" in raised.value.message
