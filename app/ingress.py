@@ -86,14 +86,33 @@ UNAPPLIED_FIELDS = {
     "echo": "the prompt is not echoed here",
     "suffix": "text insertion (a prompt with a suffix) is not enabled here",
     "best_of": "only best_of=1 is supported",
+    # vLLM's own request fields, which its clients send.
+    "stop_token_ids": "only stop strings are applied here",
+    "include_stop_str_in_output": "the stop string is never included here",
+    "skip_special_tokens": "special tokens are always skipped here",
+    "spaces_between_special_tokens": "special tokens are always skipped here",
+    "bad_words": "vLLM does not apply it with speculative decoding",
+    "allowed_token_ids": "vLLM does not apply it with speculative decoding",
+    "prompt_logprobs": "prompt logprobs are not returned here",
+    "truncate_prompt_tokens": "prompts are never truncated here: a prompt over the context "
+                              "is refused",
+    "structured_outputs": "structured output is not enabled here",
+    "guided_json": "structured output is not enabled here",
+    "guided_regex": "structured output is not enabled here",
+    "guided_choice": "structured output is not enabled here",
+    "guided_grammar": "structured output is not enabled here",
 }
-ASKS_FOR_NOTHING = {"response_format": ({"type": "text"},), "best_of": (1,)}
+# The values of each field that ask for nothing: its default and the like.
+ASKS_FOR_NOTHING: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {}, {"type": "text"}), "best_of": (None, 1),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,)}
+NOTHING = (None, False, 0, "", [], {})
 
 
 def refuse_unapplied(value: Any, info: ValidationInfo) -> Any:
     """A field validator for `UNAPPLIED_FIELDS`: their defaults (and values that ask for
     nothing, such as `best_of: 1`) pass; anything else is refused with the reason."""
-    if value and value not in ASKS_FOR_NOTHING.get(info.field_name, ()):
+    if value not in ASKS_FOR_NOTHING.get(info.field_name, NOTHING):
         raise ValueError(f"{info.field_name} is not supported: "
                          f"{UNAPPLIED_FIELDS[info.field_name]}")
     return value
@@ -103,7 +122,8 @@ class SamplingFields(BaseModel):
     # NaN and infinity are refused by name (JSON parsers take NaN), not by a range check.
     model_config = ConfigDict(**STRICT, extra="ignore", allow_inf_nan=False)
 
-    model: str
+    model: str | None = None
+    """None (or left out) asks for the served model, as vLLM's server takes it."""
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
@@ -145,9 +165,26 @@ class SamplingFields(BaseModel):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     functions: list[dict[str, Any]] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    _unapplied = field_validator("min_p", "logit_bias", "response_format", "tools",
-                                 "functions")(refuse_unapplied)
+    _unapplied = field_validator(
+        "min_p", "logit_bias", "response_format", "tools", "functions", "stop_token_ids",
+        "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+        "bad_words", "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
+        "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+        "guided_grammar")(refuse_unapplied)
 
     @model_validator(mode="after")
     def _min_within_limit(self) -> SamplingFields:
@@ -174,7 +211,7 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str]
+    prompt: str
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -182,18 +219,25 @@ class CompletionRequest(SamplingFields):
 
     _unapplied_here = field_validator("echo", "suffix", "best_of")(refuse_unapplied)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_text_prompt(cls, prompt: Any) -> Any:
+        """A list of one prompt is that prompt; one type left, so an error's `param` is
+        `prompt` (a union would name its branch too: `prompt.str`)."""
+        if not isinstance(prompt, list):
+            return prompt
+        if any(isinstance(p, int | list) and not isinstance(p, bool) for p in prompt):
+            raise ValueError("prompts of token ids are not supported here; send text")
+        if len(prompt) != 1:
+            raise ValueError("exactly one prompt per request is supported")
+        return prompt[0]
+
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, prompt: str | list[str]) -> str | list[str]:
-        if isinstance(prompt, list) and len(prompt) != 1:
-            raise ValueError("exactly one prompt per request is supported")
-        text = prompt if isinstance(prompt, str) else prompt[0]
-        if not text:
+    def _not_empty(cls, prompt: str) -> str:
+        if not prompt:
             raise ValueError("prompt must not be empty")
         return prompt
-
-    def text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
 
 
 class ChatMessage(BaseModel):
@@ -415,6 +459,7 @@ class Ingress:
             first = error.errors()[0]
             raise APIError(400, first["msg"], param=".".join(map(str, first["loc"])) or None
                            ) from error
+        body.model = body.model or self.model_name
         self._check_model(body.model)
         return body
 
@@ -455,7 +500,7 @@ class Ingress:
     @fastapi_app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(self, request: Request) -> Any:
         body: CompletionRequest = await self._body(request, CompletionRequest)
-        payload = self._payload(body, prompt=body.text(), logprobs=body.logprobs)
+        payload = self._payload(body, prompt=body.prompt, logprobs=body.logprobs)
         return await self._respond(request, body, payload, chat=False)
 
     @fastapi_app.post("/v1/chat/completions", openapi_extra=json_body(ChatRequest))

@@ -204,3 +204,15 @@ def test_an_integer_past_pythons_digit_limit_is_a_400(route: str):
     with pytest.raises(APIError) as raised:
         asyncio.run(getattr(front, route)(http_request(body)))
     assert raised.value.status == 400 and "not valid JSON" in raised.value.message
+
+
+@pytest.mark.parametrize("model", [None, "left out"])
+def test_a_request_without_a_model_asks_for_the_served_one(model):
+    """As vLLM's server takes it: `model` null or left out is the model it serves."""
+    front = bare_ingress(Engine([dict(CHUNK)], [dict(CHUNK)]), metrics=Recorded())
+    fields = {} if model == "left out" else {"model": model}
+    answer = asyncio.run(front.completions(http_request({"prompt": "x", **fields})))
+    assert answer["model"] == "target"
+    chat = asyncio.run(front.chat_completions(http_request(
+        {"messages": [{"role": "user", "content": "hi"}], **fields})))
+    assert chat["model"] == "target"

@@ -44,7 +44,7 @@ def test_null_means_the_default_as_in_openais_api():
     ({"top_k": 2**63}, "less than or equal"),
     ({"presence_penalty": 2.5}, "less than or equal"),
     ({"repetition_penalty": 0}, "greater than"),
-    ({"model": None}, "model"),
+    ({"model": 5}, "valid string"),
 ])
 def test_a_control_outside_what_the_engines_do_is_refused_with_its_reason(fields, reason):
     with pytest.raises(ValidationError, match=reason):
@@ -105,6 +105,20 @@ def chat(content: object, **fields: object) -> ChatRequest:
     ({"echo": True}, "echo is not supported"),
     ({"suffix": "}"}, "suffix is not supported"),
     ({"best_of": 2}, "only best_of=1"),
+    # vLLM's own fields, which its clients send.
+    ({"stop_token_ids": [2]}, "stop_token_ids is not supported: only stop strings"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output is not supported"),
+    ({"skip_special_tokens": False}, "special tokens are always skipped"),
+    ({"spaces_between_special_tokens": False}, "special tokens are always skipped"),
+    ({"bad_words": ["import"]}, "bad_words is not supported"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids is not supported"),
+    ({"prompt_logprobs": 1}, "prompt logprobs are not returned"),
+    ({"truncate_prompt_tokens": 8}, "prompts are never truncated"),
+    ({"structured_outputs": {"json": {"type": "object"}}}, "structured output"),
+    ({"guided_json": {"type": "object"}}, "structured output"),
+    ({"guided_regex": "[a-z]+"}, "structured output"),
+    ({"guided_choice": ["yes", "no"]}, "structured output"),
+    ({"guided_grammar": "root ::= 'a'"}, "structured output"),
 ])
 def test_a_field_that_would_change_the_output_but_is_not_applied_is_refused(fields, reason):
     with pytest.raises(ValidationError, match=reason) as refused:
@@ -113,8 +127,11 @@ def test_a_field_that_would_change_the_output_but_is_not_applied_is_refused(fiel
 
 
 def test_those_fields_at_values_that_ask_for_nothing_are_accepted():
-    completion(logit_bias={}, echo=False, suffix="", best_of=1, tools=[], functions=None)
-    assert chat("hi", response_format={"type": "text"}, logit_bias=None).messages
+    completion(logit_bias={}, echo=False, suffix="", best_of=1, tools=[], functions=None,
+               stop_token_ids=[], include_stop_str_in_output=False, skip_special_tokens=True,
+               spaces_between_special_tokens=True, bad_words=None, prompt_logprobs=None)
+    assert chat("hi", response_format={"type": "text"}, logit_bias=None,
+                structured_outputs=None, guided_choice=[]).messages
 
 
 def test_chat_content_parts_are_joined_as_text():
@@ -133,3 +150,22 @@ def test_chat_content_parts_are_joined_as_text():
 def test_chat_content_other_than_text_is_refused_naming_the_part(content, reason):
     with pytest.raises(ValidationError, match=reason):
         chat(content)
+
+
+@pytest.mark.parametrize(("prompt", "reason"), [
+    ([1, 2, 3], "prompts of token ids are not supported here; send text"),
+    ([[1, 2, 3]], "prompts of token ids"),
+    (["a", "b"], "exactly one prompt per request"),
+    ([], "exactly one prompt per request"),
+    ("", "prompt must not be empty"),
+    ([""], "prompt must not be empty"),
+    (5, "valid string"),
+])
+def test_a_prompt_other_than_one_text_is_refused_naming_the_prompt(prompt, reason):
+    with pytest.raises(ValidationError, match=reason) as refused:
+        completion(prompt=prompt)
+    assert refused.value.errors()[0]["loc"] == ("prompt",)
+
+
+def test_a_list_of_one_prompt_is_that_prompt():
+    assert completion(prompt=["def f("]).prompt == "def f("
