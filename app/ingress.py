@@ -65,7 +65,9 @@ STRICT = ConfigDict(strict=True)
 class StreamOptions(BaseModel):
     model_config = STRICT
 
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+    """vLLM's: with `include_usage`, every chunk carries the counts so far."""
 
 
 # Fields OpenAI's API (or vLLM's) lets a client send as null for "the default".
@@ -564,13 +566,15 @@ class Ingress:
                 yield chunk
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options or StreamOptions()
 
             def failure_body(error: BaseException) -> dict[str, Any]:
                 return generation_failed(payload["request_id"], error).body()
 
-            return StreamingResponse(sse(chunks(), formatter, include_usage, finish,
-                                         failure_body), media_type="text/event-stream")
+            return StreamingResponse(
+                sse(chunks(), formatter, bool(options.include_usage), finish, failure_body,
+                    continuous_usage=bool(options.continuous_usage_stats)),
+                media_type="text/event-stream")
         last: dict[str, Any] | None = None
         text: list[str] = []
         logprobs: list[dict[str, Any]] = []

@@ -106,10 +106,12 @@ def _chat_token(token: str, logprob: float) -> dict[str, Any]:
 async def sse(chunks: AsyncIterator[dict[str, Any]], formatter: CompletionFormat,
               include_usage: bool,
               finish: Callable[[dict[str, Any] | None, BaseException | None], Awaitable[None]],
-              failure_body: Callable[[BaseException], dict[str, Any]]) -> AsyncIterator[str]:
+              failure_body: Callable[[BaseException], dict[str, Any]], *,
+              continuous_usage: bool = False) -> AsyncIterator[str]:
     """Server-sent events as OpenAI sends them: with `include_usage`, `"usage": null` on
-    every chunk and the usage in a last chunk of its own; `data: [DONE]` at the end, also
-    after an error reported in-band (as vLLM does)."""
+    every chunk (the counts so far with `continuous_usage`, vLLM's `continuous_usage_stats`)
+    and the usage in a last chunk of its own; `data: [DONE]` at the end, also after an error
+    reported in-band (as vLLM does)."""
     last: dict[str, Any] | None = None
     error: BaseException | None = None
     try:
@@ -118,7 +120,7 @@ async def sse(chunks: AsyncIterator[dict[str, Any]], formatter: CompletionFormat
             last = chunk
             event = formatter.delta(chunk, first)
             if include_usage:
-                event["usage"] = None
+                event["usage"] = usage(chunk) if continuous_usage else None
             yield f"data: {json.dumps(event)}\n\n"
             first = False
         if include_usage:

@@ -84,7 +84,8 @@ def test_a_stream_the_client_left_finishes_as_cancelled_not_ok():
                                                                       "cancelled"]
 
 
-def streamed(chunks: list[dict | Exception], include_usage: bool) -> list[str]:
+def streamed(chunks: list[dict | Exception], include_usage: bool,
+             continuous_usage: bool = False) -> list[str]:
     """The events `sse` sends for these chunks (an exception: the replica failed there)."""
     async def source():
         for item in chunks:
@@ -97,7 +98,8 @@ def streamed(chunks: list[dict | Exception], include_usage: bool) -> list[str]:
 
     async def scenario() -> list[str]:
         return [event async for event in sse(source(), ChatFormat("r", "t"), include_usage,
-                                             finish, lambda e: {"error": {"message": "x"}})]
+                                             finish, lambda e: {"error": {"message": "x"}},
+                                             continuous_usage=continuous_usage)]
 
     return [event.removeprefix("data: ").strip() for event in asyncio.run(scenario())]
 
@@ -110,6 +112,19 @@ def test_with_include_usage_every_chunk_carries_null_usage_and_the_last_the_coun
     assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["total_tokens"] == 6
     assert all("usage" not in json.loads(event) for event in streamed([chunk(ENTRIES)],
                                                                        False)[:-1])
+
+
+def test_with_continuous_usage_stats_every_chunk_carries_the_counts_so_far():
+    """vLLM's `stream_options.continuous_usage_stats`; without `include_usage` it adds
+    nothing, as in vLLM."""
+    first, second = chunk(ENTRIES[:1]), chunk(ENTRIES[1:], "stop")
+    first["completion_tokens"] = 1
+    *events, done = streamed([first, second], True, continuous_usage=True)
+    assert done == "[DONE]"
+    counts = [json.loads(event)["usage"]["completion_tokens"] for event in events]
+    assert counts == [1, second["completion_tokens"], second["completion_tokens"]]
+    assert all("usage" not in json.loads(event)
+               for event in streamed([first, second], False, continuous_usage=True)[:-1])
 
 
 def test_a_stream_that_fails_midway_reports_the_error_then_ends_with_done():
