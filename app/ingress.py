@@ -265,6 +265,15 @@ class ChatMessage(BaseModel):
         return "\n".join(part["text"] for part in content)
 
 
+# `apply_chat_template`'s own parameters (transformers 5; a test holds the list to it): a
+# template variable of the same name would set the call's option instead (tokenize=False,
+# say, and the replica would get text where it reads token ids).
+TEMPLATE_CALL_OPTIONS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 class ChatRequest(SamplingFields):
     # Without a limit a chat reply runs to its end or the context's, as OpenAI's and vLLM's.
     default_limit: ClassVar[int | None] = None
@@ -272,6 +281,17 @@ class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: variables for the model's chat template (Qwen3's `enable_thinking`, say)."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        # These would reach the tokenizer's own options, not the template.
+        if kwargs and (taken := sorted(TEMPLATE_CALL_OPTIONS & kwargs.keys())):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)}: "
+                             f"options of the tokenizer's call, not template variables")
+        return kwargs
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatRequest:
@@ -510,7 +530,8 @@ class Ingress:
         body: ChatRequest = await self._body(request, ChatRequest)
         messages = [m.model_dump() for m in body.messages]
         payload = self._payload(body, messages=messages,
-                                logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                                logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                                chat_template_kwargs=body.chat_template_kwargs)
         return await self._respond(request, body, payload, chat=True)
 
     def _payload(self, body: SamplingFields, **extra: Any) -> dict[str, Any]:

@@ -104,13 +104,17 @@ class EngineReplica:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def _render_chat(self, messages: list[dict[str, Any]]) -> tuple[int, ...]:
+    def _render_chat(self, messages: list[dict[str, Any]],
+                     template_kwargs: dict[str, Any] | None = None) -> tuple[int, ...]:
         """The chat template's token ids, with nothing added: the template writes any BOS
         itself (vLLM's server tokenizes chat the same way; encoding the rendered text again
-        would put a second BOS before a Llama 3 prompt's)."""
+        would put a second BOS before a Llama 3 prompt's). `template_kwargs` are the
+        request's variables for the template (`chat_template_kwargs`, such as Qwen3's
+        `enable_thinking`); the ingress refused those that name this call's own options."""
         try:
             rendered = self._tokenizer.apply_chat_template(
-                messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+                messages, tokenize=True, add_generation_prompt=True, return_dict=True,
+                **(template_kwargs or {}))
         except Exception as error:  # a role or order the template refuses, or no template
             raise EngineInputError(f"the model's chat template refused the messages: {error}"
                                    ) from error
@@ -135,7 +139,8 @@ class EngineReplica:
                 raise EngineInputError(f"logprobs are not available from the "
                                        f"{self.engine.name} engine")
             chat = payload.get("messages")
-            chat_ids = self._render_chat(chat) if chat is not None else None
+            chat_ids = self._render_chat(chat, payload.get("chat_template_kwargs")) \
+                if chat is not None else None
             max_tokens = payload["max_tokens"]
             if max_tokens is None and chat_ids is not None:  # to the end of the context
                 max_tokens = self.engine.max_model_len - len(chat_ids)

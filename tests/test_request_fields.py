@@ -1,16 +1,20 @@
 """The HTTP layer's request fields: what it accepts, what it refuses and why, that each
 sampling control it hands on means the same in the engine's request, and chat content in
-OpenAI's two forms."""
+OpenAI's two forms, and vLLM's chat template variables."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
-from app.ingress import ChatRequest, CompletionRequest
+from app.ingress import TEMPLATE_CALL_OPTIONS, ChatRequest, CompletionRequest
 from replicas.engines.base import SAMPLING_CONTROLS, GenerationRequest
+from replicas.engines.spec import DEMO_TARGET
+from replicas.replica import EngineReplica
 
 
 def completion(**fields: object) -> CompletionRequest:
@@ -169,3 +173,30 @@ def test_a_prompt_other_than_one_text_is_refused_naming_the_prompt(prompt, reaso
 
 def test_a_list_of_one_prompt_is_that_prompt():
     assert completion(prompt=["def f("]).prompt == "def f("
+
+
+def test_chat_template_kwargs_are_template_variables_only():
+    """vLLM's `chat_template_kwargs` are handed to the template; a name of the tokenizer
+    call's own options would change what the call returns, so it is refused."""
+    assert chat("hi", chat_template_kwargs={"enable_thinking": False}).chat_template_kwargs \
+        == {"enable_thinking": False}
+    with pytest.raises(ValidationError, match="may not set return_dict, tokenize"):
+        chat("hi", chat_template_kwargs={"tokenize": False, "return_dict": False, "x": 1})
+    from transformers import PreTrainedTokenizerBase
+
+    options = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+    assert (options - {"self", "kwargs"}) | {"messages"} == TEMPLATE_CALL_OPTIONS
+
+
+def test_the_replica_renders_the_requests_template_variables():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
+    tokenizer.chat_template = ("{% if persona %}{{ persona }}: {% endif %}"
+                               "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    replica = SimpleNamespace(_tokenizer=tokenizer)
+    messages = [{"role": "user", "content": "def f("}]
+    plain = EngineReplica._render_chat(replica, messages)
+    styled = EngineReplica._render_chat(replica, messages, {"persona": "pirate"})
+    assert tokenizer.decode(plain) == "def f("
+    assert tokenizer.decode(styled) == "pirate: def f("
