@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -39,7 +39,15 @@ from ray.serve.exceptions import (
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.openai_format import ChatFormat, CompletionFormat, error_body, json_body, sse, usage
+from app.openai_format import (
+    ChatFormat,
+    CompletionFormat,
+    EventStream,
+    error_body,
+    json_body,
+    sse,
+    usage,
+)
 from observability import tracing
 from observability.exposition import CONTENT_TYPE, render_prometheus
 from observability.metrics import RequestMetrics
@@ -556,15 +564,22 @@ class Ingress:
         started = time.perf_counter()
         ttft: float | None = None  # until the first chunk
 
+        finished: str | None = None  # the request's status once it has ended
+
         async def finish(last: dict[str, Any] | None, error: BaseException | None) -> None:
-            """Every request ends here exactly once: its span closed, its metrics recorded."""
+            """Every request ends here exactly once: its span closed, its metrics recorded
+            (a second call, a stream's response making sure, does nothing)."""
+            nonlocal finished
+            if finished:
+                return
+            finished = request_status(error)
             tokens = usage(last)
             tracing.finish_span(span, error=error, prompt_tokens=tokens["prompt_tokens"],
                                 completion_tokens=tokens["completion_tokens"])
             self.metrics.record_request(
                 body.model, e2e_s=time.perf_counter() - started, ttft_s=ttft,
                 prompt_tokens=tokens["prompt_tokens"],
-                completion_tokens=tokens["completion_tokens"], status=request_status(error))
+                completion_tokens=tokens["completion_tokens"], status=finished)
 
         try:
             stream, first = await open_stream(self.engine, payload)
@@ -592,10 +607,14 @@ class Ingress:
             def failure_body(error: BaseException) -> dict[str, Any]:
                 return generation_failed(payload["request_id"], error).body()
 
-            return StreamingResponse(
+            async def abandon() -> None:
+                if finished != "ok":  # the client left: the replica stops generating
+                    stream.cancel()
+                await finish(None, asyncio.CancelledError())  # left before the first event
+
+            return EventStream(
                 sse(chunks(), formatter, bool(options.include_usage), finish, failure_body,
-                    continuous_usage=bool(options.continuous_usage_stats)),
-                media_type="text/event-stream")
+                    continuous_usage=bool(options.continuous_usage_stats)), abandon)
         last: dict[str, Any] | None = None
         text: list[str] = []
         logprobs: list[dict[str, Any]] = []

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None,
@@ -107,7 +109,7 @@ async def sse(chunks: AsyncIterator[dict[str, Any]], formatter: CompletionFormat
               include_usage: bool,
               finish: Callable[[dict[str, Any] | None, BaseException | None], Awaitable[None]],
               failure_body: Callable[[BaseException], dict[str, Any]], *,
-              continuous_usage: bool = False) -> AsyncIterator[str]:
+              continuous_usage: bool = False) -> AsyncGenerator[str, None]:
     """Server-sent events as OpenAI sends them: with `include_usage`, `"usage": null` on
     every chunk (the counts so far with `continuous_usage`, vLLM's `continuous_usage_stats`)
     and the usage in a last chunk of its own; `data: [DONE]` at the end, also after an error
@@ -134,6 +136,28 @@ async def sse(chunks: AsyncIterator[dict[str, Any]], formatter: CompletionFormat
     finally:
         await finish(last, error)
     yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """`sse`'s events as a response whose request is finished however the client leaves.
+
+    A client that leaves mid-stream leaves the events suspended at a yield, finished only
+    when the garbage collector closes them; one that leaves before the first event leaves
+    them unstarted, and closing an unstarted generator runs none of its code, `sse`'s
+    `finally` included. So the response closes its events itself, then calls `abandon`,
+    which must finish the request unless `sse` already did."""
+
+    def __init__(self, events: AsyncGenerator[str, None],
+                 abandon: Callable[[], Awaitable[None]]):
+        super().__init__(events, media_type="text/event-stream")
+        self._events, self._abandon = events, abandon
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+            await self._abandon()
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

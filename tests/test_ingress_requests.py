@@ -27,6 +27,10 @@ class Stream:
 
     def __init__(self, outcome: BaseException | str | list[dict[str, Any]]):
         self.outcome = outcome
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
     def __aiter__(self) -> Stream:
         return self
@@ -56,7 +60,8 @@ class Engine:
 
     def remote(self, payload: dict[str, Any]) -> Stream:
         self.sent += 1
-        return Stream(self.outcomes.pop(0))
+        self.stream = Stream(self.outcomes.pop(0))
+        return self.stream
 
 
 class Recorded:
@@ -216,3 +221,39 @@ def test_a_request_without_a_model_asks_for_the_served_one(model):
     chat = asyncio.run(front.chat_completions(http_request(
         {"messages": [{"role": "user", "content": "hi"}], **fields})))
     assert chat["model"] == "target"
+
+
+
+@pytest.mark.parametrize(("sends_before_leaving", "status", "cancelled"), [
+    (0, "cancelled", True),  # gone before the first event: the events never started
+    (2, "cancelled", True),  # gone mid-stream: the events wait at a yield
+    (None, "ok", False),  # read to the end
+])
+def test_a_streamed_request_is_finished_once_however_the_client_leaves(
+        spans_finished, sends_before_leaving, status, cancelled):
+    """Counted and its span closed once; a replica whose client left stops generating."""
+    engine, recorded = Engine([dict(CHUNK), dict(CHUNK), dict(CHUNK)]), Recorded()
+    front = bare_ingress(engine, metrics=recorded)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if len(sent) == sends_before_leaving:
+            raise OSError("the client closed the connection")
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()  # a client that never sends a disconnect message
+        return {}
+
+    async def scenario() -> None:
+        response = await front.completions(http_request(
+            {"model": "target", "prompt": "x", "stream": True}))
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        try:
+            await response(scope, receive, send)
+        except Exception:  # the disconnect, as Starlette reports it
+            assert sends_before_leaving is not None
+
+    asyncio.run(scenario())
+    assert recorded.statuses == [status] and len(spans_finished) == 1
+    assert engine.stream.cancelled is cancelled
