@@ -98,6 +98,8 @@ def policy_for_mode(mode: str, deployed: dict[str, Any],
 class PhaseResult:
     name: str
     tokens: int = 0
+    started: float = 0.0
+    """`time.perf_counter()` when its first request went out."""
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
     errors: int = 0
@@ -164,9 +166,9 @@ async def run_phase(client: Client, phase: Phase, seed_base: int) -> PhaseResult
             result.latencies.append(latency)
 
     before = await client.replicas()
-    started = time.perf_counter()
+    result.started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(phase.concurrency)))
-    result.seconds = time.perf_counter() - started
+    result.seconds = time.perf_counter() - result.started
     after = await client.replicas()
     result.sequence_steps = _counter_delta(before, after, "sequence_steps")
     return result
@@ -197,10 +199,9 @@ async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
     stop = asyncio.Event()
     tracker = asyncio.create_task(track_tiers(client, stop, origin, timeline))
     mode_started = time.perf_counter() - origin
-    results, phase_started = [], []
+    results = []
     try:
         for i, phase in enumerate(phases):
-            phase_started.append(time.perf_counter() - origin)
             results.append(await run_phase(client, phase, seed_base=100 * i))
     except BaseException:  # the app went away: the tracker must not go on polling it
         tracker.cancel()
@@ -228,7 +229,7 @@ async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
         "phase_latencies_s": {r.name: [round(lat, 4) for lat in r.latencies] for r in results},
         "timeline": timeline,
         "started_s": mode_started,
-        "phase_started_s": phase_started,
+        "phase_started_s": [r.started - origin for r in results],
     }
     print(f"{mode:10s} {summary['throughput']:8.1f} tok/s  accept_len "
           f"{summary['accept_len']:.2f}  switches {switches}  errors {summary['errors']}",
