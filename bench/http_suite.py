@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="transition,sweep")
     parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--rounds", type=positive, default=ROUNDS,
-                        help="rounds per workload (default: the committed results' count)")
+                        help=f"rounds per workload (default {ROUNDS})")
     parser.add_argument("--name", default=None, type=result_name,
                         help="suffix of the result files, for a config other than the default")
     args = parser.parse_args()
