@@ -20,6 +20,8 @@ from app.router import ClassGatheringRouter
 from app.telemetry_hub import TelemetryHub
 from policies.registry import build_policy, parse_policy_config
 from replicas.chunks import stream_interval_s
+from replicas.control_loop import check_policy_fits
+from replicas.engines.factory import engine_class
 from replicas.engines.spec import LOCAL_ENGINE_ENV, REPO_ROOT, EngineSpec
 from replicas.replica import HUB_ACTOR, EngineReplica
 from replicas.tier_pool import validate_candidates
@@ -71,10 +73,12 @@ class AppArgs(BaseModel):
     def _replicas_can_start(self) -> AppArgs:
         """Refuse here what every replica would refuse in its constructor (after starting its
         engine): candidates the engine cannot run, a policy that cannot run over them (a
-        static K that is not a candidate), a stream interval that is not a finite number."""
+        static K that is not a candidate) or on the engine (`stability` on SGLang, which
+        reports no per-request outcomes), a stream interval that is not a finite number."""
         candidates = validate_candidates(self.candidates, self.engine.effective_kmax,
                                          self.initial_k)
-        build_policy(self.policy, candidates)
+        check_policy_fits(build_policy(self.policy, candidates),
+                          engine_class(self.engine.engine), self.engine.engine)
         stream_interval_s(self.stream_interval_ms)
         return self
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from policies.base import Policy
 from policies.class_acceptance import ClassPrior
@@ -104,6 +105,16 @@ class LoopStats:
     last_signals: Signals | None = None
 
 
+def check_policy_fits(policy: Policy, engine: Any, engine_name: str) -> None:
+    """Raise ValueError if `engine` (an adapter, or its class) cannot serve `policy`: one
+    that needs per-request outcomes (`Policy.needs_requests`) on an engine that reports none
+    would never move K, and say only that it has no request history yet."""
+    if policy.needs_requests and not hasattr(engine, "request_acceptance"):
+        raise ValueError(f"{type(policy).__name__} needs per-request verify outcomes, "
+                         f"which the {engine_name} engine does not report; "
+                         "choose another policy")
+
+
 class ControlLoop:
     def __init__(self, engine: Engine, pool: TierPool, policy: Policy,
                  decide_every_steps: int = 4,
@@ -153,13 +164,7 @@ class ControlLoop:
         return effective_concurrency(*engine_load(self._last_step, held), cluster)
 
     def check_policy(self, policy: Policy) -> None:
-        """Raise ValueError if this engine cannot serve `policy`: one that needs per-request
-        outcomes (`Policy.needs_requests`) on an engine that reports none would never move
-        K, and say only that it has no request history yet."""
-        if policy.needs_requests and self._request_acceptance is None:
-            raise ValueError(f"{type(policy).__name__} needs per-request verify outcomes, "
-                             f"which the {self.engine.name} engine does not report; "
-                             "choose another policy")
+        check_policy_fits(policy, self.engine, self.engine.name)
 
     def replace_policy(self, policy: Policy) -> None:
         self.check_policy(policy)

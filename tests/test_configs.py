@@ -68,6 +68,8 @@ def test_a_queue_limit_serve_would_refuse_at_deploy_is_refused_with_the_args(lim
     ({"engine": {"engine": "sim", "sim_preset": "cpu-dmeo"}}, "unknown simulator preset"),
     ({"engine": {"engine": "sglang", "drafter": "ngram"}}, "needs drafter eagle or eagle3"),
     ({"engine": {"drafter": "eagle3"}}, "needs drafter_model"),
+    ({"engine": {"engine": "sglang", "drafter": "eagle3", "drafter_model": "/d"},
+      "policy": {"name": "stability"}}, "the sglang engine does not report"),
 ])
 def test_args_every_replica_would_refuse_are_refused_before_anything_deploys(args, reason
                                                                                ) -> None:
@@ -75,6 +77,11 @@ def test_args_every_replica_would_refuse_are_refused_before_anything_deploys(arg
     (on vLLM after its engine had started), and Serve retried the replicas."""
     with pytest.raises(ValueError, match=reason):
         AppArgs.model_validate(args)
+
+
+def test_a_policy_that_reads_requests_is_built_on_every_engine_that_reports_them() -> None:
+    for engine in ({"engine": "vllm"}, {"engine": "sim"}):
+        assert AppArgs.model_validate({"engine": engine, "policy": {"name": "stability"}})
 
 
 def test_mtp_drafts_from_the_target_checkpoint_unless_given_one() -> None:
