@@ -101,8 +101,8 @@ UNAPPLIED_FIELDS = {
     "include_stop_str_in_output": "the stop string is never included here",
     "skip_special_tokens": "special tokens are always skipped here",
     "spaces_between_special_tokens": "special tokens are always skipped here",
-    "bad_words": "vLLM does not apply it with speculative decoding",
-    "allowed_token_ids": "vLLM does not apply it with speculative decoding",
+    "bad_words": "token restrictions are not applied here",
+    "allowed_token_ids": "token restrictions are not applied here",
     "prompt_logprobs": "prompt logprobs are not returned here",
     "truncate_prompt_tokens": "prompts are never truncated here: a prompt over the context "
                               "is refused",
@@ -115,7 +115,9 @@ UNAPPLIED_FIELDS = {
 # The values of each field that ask for nothing: its default and the like.
 ASKS_FOR_NOTHING: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {}, {"type": "text"}), "best_of": (None, 1),
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,)}
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    # vLLM acts on any value but None: 0 prompt logprobs is the chosen token's, {} any JSON.
+    "prompt_logprobs": (None,), "guided_json": (None,)}
 NOTHING = (None, False, 0, "", [], {})
 
 
@@ -273,13 +275,15 @@ class ChatMessage(BaseModel):
         return "\n".join(part["text"] for part in content)
 
 
-# `apply_chat_template`'s own parameters (transformers 5; a test holds the list to it): a
-# template variable of the same name would set the call's option instead (tokenize=False,
-# say, and the replica would get text where it reads token ids).
+# `apply_chat_template`'s own parameters and the name it passes the messages on by
+# (transformers 5; a test holds the list to it): a template variable of the same name would
+# set the call's option instead (tokenize=False, say, and the replica would get text where it
+# reads token ids) or collide with it.
 TEMPLATE_CALL_OPTIONS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+    "conversation", "conversations", "messages", "tools", "documents", "chat_template",
+    "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
 
 
 class ChatRequest(SamplingFields):
@@ -489,8 +493,8 @@ class Ingress:
             first = error.errors()[0]
             raise APIError(400, first["msg"], param=".".join(map(str, first["loc"])) or None
                            ) from error
-        body.model = body.model or self.model_name
-        self._check_model(body.model)
+        if body.model is not None:  # else the served model, as vLLM's server takes it
+            self._check_model(body.model)
         return body
 
     def _check_model(self, model: str) -> None:
@@ -558,7 +562,7 @@ class Ingress:
         if tracing.records_prompts():  # a chat's messages as sent, a completion's prompt text
             prompt = payload["prompt"] if "prompt" in payload else json.dumps(payload["messages"])
         span = tracing.start_ingress_span(f"POST {route}", request.headers,
-                                          request_id=payload["request_id"], model=body.model,
+                                          request_id=payload["request_id"], model=self.model_name,
                                           prompt=prompt)
         payload["trace_context"] = tracing.inject_context(span)
         started = time.perf_counter()
@@ -577,7 +581,7 @@ class Ingress:
             tracing.finish_span(span, error=error, prompt_tokens=tokens["prompt_tokens"],
                                 completion_tokens=tokens["completion_tokens"])
             self.metrics.record_request(
-                body.model, e2e_s=time.perf_counter() - started, ttft_s=ttft,
+                self.model_name, e2e_s=time.perf_counter() - started, ttft_s=ttft,
                 prompt_tokens=tokens["prompt_tokens"],
                 completion_tokens=tokens["completion_tokens"], status=finished)
 
@@ -593,8 +597,8 @@ class Ingress:
             await finish(None, refused)
             raise refused
         ttft = time.perf_counter() - started
-        formatter = ChatFormat(payload["request_id"], body.model) if chat else \
-            CompletionFormat(payload["request_id"], body.model)
+        formatter = ChatFormat(payload["request_id"], self.model_name) if chat else \
+            CompletionFormat(payload["request_id"], self.model_name)
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             yield first

@@ -18,9 +18,11 @@ their own, judged by the same rules, next to the rows of every run. The rules:
   level, which the rounds' interval would count as independent evidence), against each
   static that was the best of some pooled run (pooled medians mix machines of different
   speeds, so the pool's own best static is no safe choice): above the bar against a static
-  where both intervals lie above it (the rounds' alone for a single run), below it where
-  both lie below; met where above against every one of them, missed where below against
-  any, else not resolved (and then the last run's medians say on which side it fell).
+  where both intervals lie above it (the rounds' alone where there is no interval by runs:
+  a single run, or a run without rounds against it), below it where both lie below (two
+  runs give an interval by runs that resolves little: its t quantile is 12.7); met where
+  above against every one of them, missed where below against any, else not resolved (and
+  then the last run's medians say on which side it fell).
 - HTTP, per phase: the same against 0.9 in every phase, against each phase's best statics.
 - Cluster simulation: the ratios of its saved run (`bench.cluster_sim`), met at a fleet size
   where they reach the bar, as the median over the burst patterns where several ran; wall

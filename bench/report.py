@@ -109,10 +109,11 @@ class RatioInterval:
 
     @classmethod
     def over_groups(cls, groups: Sequence[Sequence[float]]) -> RatioInterval | None:
-        """The same with each group's geometric mean as one sample: for groups whose ratios
-        may share a level (the rounds of one app start, on one machine), which `of` would
-        count as independent. None for fewer than two groups, an empty group, or a ratio
-        `of` refuses."""
+        """The same with each group's geometric mean as one sample, whatever its size: for
+        groups whose ratios may share a level (the rounds of one app start, on one machine),
+        which `of` would count as independent. With two groups the t quantile is 12.7, so
+        such an interval resolves little. None for fewer than two groups, an empty group, or
+        a ratio `of` refuses."""
         if len(groups) < 2 or not all(groups) or \
                 not all(r > 0 for group in groups for r in group):
             return None

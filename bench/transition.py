@@ -157,7 +157,7 @@ async def run_phase(client: Client, phase: Phase, seed_base: int) -> PhaseResult
             try:
                 tokens, latency = await client.complete(
                     phase.prompts[index % len(phase.prompts)], seed_base + index)
-            except (httpx.HTTPError, ValueError, KeyError):
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 # Refused, cut, or a reply without a completion's usage (a body that is not
                 # the JSON asked for): an error of this request; the phase goes on.
                 result.errors += 1

@@ -4,7 +4,8 @@ Export is opt-in: nothing is exported unless `OTEL_EXPORTER_OTLP_ENDPOINT` or th
 `OTEL_EXPORTER_OTLP_{TRACES,METRICS}_ENDPOINT` is set (and `OTEL_SDK_DISABLED` is not true).
 The protocol comes from `OTEL_EXPORTER_OTLP_[{SIGNAL}_]PROTOCOL`: `http/protobuf` (default) or
 `grpc`. The exporters themselves read the endpoint, headers and timeouts from the environment.
-`OTEL_SERVICE_NAME` names the service in place of each process's default.
+`OTEL_SERVICE_NAME` (or `service.name` in `OTEL_RESOURCE_ATTRIBUTES`) names the service in
+place of each process's default.
 """
 
 from __future__ import annotations
@@ -28,13 +29,17 @@ def otlp_configured(signal: Signal) -> bool:
 
 
 def service_resource(default_name: str, **attributes: str) -> Resource:
-    """The resource a process's spans and metrics carry: `service.name` from
-    `OTEL_SERVICE_NAME` when set, else `default_name`, plus `attributes`."""
-    from opentelemetry.sdk.resources import Resource
+    """The resource a process's spans and metrics carry: `attributes`, with the service
+    named as the user named it (`OTEL_SERVICE_NAME`, else `service.name` in
+    `OTEL_RESOURCE_ATTRIBUTES`, as the OTel spec orders them), else `default_name`."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 
-    # An explicit service.name would override the variable, which the OTel spec lets users set.
-    name = os.environ.get("OTEL_SERVICE_NAME", "").strip() or default_name
-    return Resource.create({"service.name": name, **attributes})
+    # Given to `create`, a name would override both variables; the SDK's own default name
+    # ("unknown_service:<process>") is what the variables leave when neither names one.
+    resource = Resource.create(attributes)
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: default_name}))
+    return resource
 
 
 def _protocol(signal: Signal) -> str:

@@ -615,7 +615,7 @@ def test_an_app_that_cannot_be_reached_or_lacks_the_model_ends_the_run_in_one_li
 def test_a_reply_that_is_not_a_completion_is_an_error_and_the_phase_goes_on() -> None:
     """A 200 whose body is not the completion asked for (not JSON, or JSON without usage)
     counts as that request's error; the phase's other requests still count."""
-    served = iter(range(6))
+    served = iter(range(8))
 
     def app(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/admin/replicas":
@@ -626,10 +626,12 @@ def test_a_reply_that_is_not_a_completion_is_an_error_and_the_phase_goes_on() ->
             return httpx.Response(200, text="<html>proxy error</html>")
         if number == 4:
             return httpx.Response(200, json={"choices": []})
+        if number in (5, 6):
+            return httpx.Response(200, json=None if number == 5 else {"usage": None})
         return httpx.Response(200, json={"usage": {"completion_tokens": 8}})
 
     client = Client("http://127.0.0.1:1", "m", 8, None)
     client.http = httpx.AsyncClient(base_url="http://127.0.0.1:1",
                                     transport=httpx.MockTransport(app))
-    result = asyncio.run(run_phase(client, Phase("high_1", HIGH, 2, 6), seed_base=0))
-    assert (result.errors, result.tokens, len(result.latencies)) == (2, 32, 4)
+    result = asyncio.run(run_phase(client, Phase("high_1", HIGH, 2, 8), seed_base=0))
+    assert (result.errors, result.tokens, len(result.latencies)) == (4, 32, 4)

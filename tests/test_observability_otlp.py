@@ -24,7 +24,7 @@ def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     for name in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_SDK_DISABLED",
                  "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
-                 "OTEL_SERVICE_NAME"):
+                 "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
         monkeypatch.delenv(name, raising=False)
     yield server
     tracing.shutdown_tracing()
@@ -61,9 +61,11 @@ def test_spans_reach_the_otlp_receiver(receiver: Receiver) -> None:
     assert service["service.name"] == "specserve-test"
 
 
-def test_otel_service_name_names_the_traced_service(receiver: Receiver,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OTEL_SERVICE_NAME", "shop-llm")
+@pytest.mark.parametrize("variable", ["OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"])
+def test_the_users_service_name_names_the_traced_service(
+        receiver: Receiver, monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    monkeypatch.setenv(variable, "shop-llm" if variable == "OTEL_SERVICE_NAME"
+                       else "deployment.environment=prod,service.name=shop-llm")
     assert tracing.configure_tracing("specserve-ingress", force=True)
     tracing.finish_span(tracing.start_ingress_span("POST /v1/completions", None,
                                                    request_id="req-1"))

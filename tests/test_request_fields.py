@@ -117,6 +117,8 @@ def chat(content: object, **fields: object) -> ChatRequest:
     ({"bad_words": ["import"]}, "bad_words is not supported"),
     ({"allowed_token_ids": [1, 2]}, "allowed_token_ids is not supported"),
     ({"prompt_logprobs": 1}, "prompt logprobs are not returned"),
+    ({"prompt_logprobs": 0}, "prompt logprobs are not returned"),  # vLLM: the chosen token's
+    ({"guided_json": {}}, "structured output"),  # vLLM: any JSON
     ({"truncate_prompt_tokens": 8}, "prompts are never truncated"),
     ({"structured_outputs": {"json": {"type": "object"}}}, "structured output"),
     ({"guided_json": {"type": "object"}}, "structured output"),
@@ -185,7 +187,10 @@ def test_chat_template_kwargs_are_template_variables_only():
     from transformers import PreTrainedTokenizerBase
 
     options = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
-    assert (options - {"self", "kwargs"}) | {"messages"} == TEMPLATE_CALL_OPTIONS
+    # Besides its own parameters: the messages' other name, and the one it hands its
+    # renderer (`render_jinja_template(conversations=...)`).
+    assert (options - {"self", "kwargs"}) | {"messages", "conversations"} \
+        == TEMPLATE_CALL_OPTIONS
 
 
 def test_the_replica_renders_the_requests_template_variables():
