@@ -191,12 +191,9 @@ class SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    _unapplied = field_validator(
-        "min_p", "logit_bias", "response_format", "tools", "functions", "stop_token_ids",
-        "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-        "bad_words", "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
-        "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-        "guided_grammar")(refuse_unapplied)
+    # Every field `UNAPPLIED_FIELDS` names, read from it so the two cannot drift; some are
+    # fields of completions only (`echo`, `suffix`, `best_of`), hence `check_fields=False`.
+    _unapplied = field_validator(*UNAPPLIED_FIELDS, check_fields=False)(refuse_unapplied)
 
     @model_validator(mode="after")
     def _min_within_limit(self) -> SamplingFields:
@@ -228,8 +225,6 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-
-    _unapplied_here = field_validator("echo", "suffix", "best_of")(refuse_unapplied)
 
     @field_validator("prompt", mode="before")
     @classmethod

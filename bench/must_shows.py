@@ -91,12 +91,12 @@ def judge(runs: list[dict[str, Any]], pooled: dict[str, Any], mode: str, bar: fl
     candidates = sorted({best_static(run["modes"], statics, phase) for run in runs})
     judged = {}
     for static in candidates:
-        interval = RatioInterval.of(paired_ratios(pooled["modes"], [static], mode, phase))
+        # Each run's rounds, in pool order: together they are the pooled rounds.
+        groups = [paired_ratios(run["modes"], [static], mode, phase) for run in runs]
+        interval = RatioInterval.of([ratio for group in groups for ratio in group])
         if interval is None:
             return Judged("no interval", static, None)
-        by_runs = RatioInterval.over_groups(
-            [paired_ratios(run["modes"], [static], mode, phase) for run in runs]
-        ) if len(runs) > 1 else None
+        by_runs = RatioInterval.over_groups(groups) if len(runs) > 1 else None
         sides = {interval.against(bar), *([by_runs.against(bar)] if by_runs else ())}
         judged[static] = Judged(sides.pop() if len(sides) == 1 else "not resolved", static,
                                 interval, by_runs)
