@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ray import serve
@@ -92,6 +94,10 @@ class EngineReplica:
         # Its own, not the engine's: vLLM's can be a Mistral tokenizer, whose chat rendering
         # returns ids in another form.
         self._tokenizer = await asyncio.to_thread(_load_tokenizer, spec.model)
+        # Chat is rendered here, off the event loop (a long conversation would stall the
+        # replica's other streams), one at a time, as vLLM's server renders in one thread.
+        self._template_thread = ThreadPoolExecutor(max_workers=1,
+                                                   thread_name_prefix="chat-template")
         # Run-time (admin) changes carry `issued_at`; the newest one applied so far.
         self._applied_issued_at = 0.0
         self._config_lock = asyncio.Lock()
@@ -120,6 +126,13 @@ class EngineReplica:
                                    ) from error
         return tuple(rendered["input_ids"])
 
+    async def _chat_ids(self, messages: list[dict[str, Any]],
+                        template_kwargs: dict[str, Any] | None) -> tuple[int, ...]:
+        """`_render_chat` in the template thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._template_thread, functools.partial(self._render_chat, messages,
+                                                     template_kwargs))
+
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request: yields {"text", "token_ids", ...} chunks, or one {"error"}."""
         source = (payload.get("router_id"), payload.get("request_class", DEFAULT_CLASS))
@@ -139,7 +152,7 @@ class EngineReplica:
                 raise EngineInputError(f"logprobs are not available from the "
                                        f"{self.engine.name} engine")
             chat = payload.get("messages")
-            chat_ids = self._render_chat(chat, payload.get("chat_template_kwargs")) \
+            chat_ids = await self._chat_ids(chat, payload.get("chat_template_kwargs")) \
                 if chat is not None else None
             max_tokens = payload["max_tokens"]
             if max_tokens is None and chat_ids is not None:  # to the end of the context
@@ -451,4 +464,5 @@ class EngineReplica:
     async def __del__(self) -> None:
         self._control.cancel()
         self.metrics.shutdown()
+        self._template_thread.shutdown(wait=False)
         await self.engine.shutdown()

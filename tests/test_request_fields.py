@@ -5,7 +5,10 @@ OpenAI's two forms, and vLLM's chat template variables."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -205,3 +208,29 @@ def test_the_replica_renders_the_requests_template_variables():
     styled = EngineReplica._render_chat(replica, messages, {"persona": "pirate"})
     assert tokenizer.decode(plain) == "def f("
     assert tokenizer.decode(styled) == "pirate: def f("
+
+
+async def test_the_replica_renders_chat_off_its_event_loop():
+    """A long conversation's template and encoding would stall the replica's other streams
+    on its event loop, so they run in the replica's template thread."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    threads = []
+    render = tokenizer.apply_chat_template
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return render(*args, **kwargs)
+
+    tokenizer.apply_chat_template = recording
+    replica = SimpleNamespace(_tokenizer=tokenizer, _template_thread=ThreadPoolExecutor(1))
+    replica._render_chat = functools.partial(EngineReplica._render_chat, replica)
+    messages = [{"role": "user", "content": "def f(x): return x"}]
+    try:
+        ids = await EngineReplica._chat_ids(replica, messages, None)
+    finally:
+        replica._template_thread.shutdown()
+    assert tokenizer.decode(ids) == "def f(x): return x"
+    assert len(threads) == 1 and threads[0] is not threading.main_thread()

@@ -437,8 +437,12 @@ async def test_logprobs_name_each_sampled_token_and_the_most_likely_ones(ngram_e
 
 async def test_prompt_too_long_is_an_input_error(ngram_engine):
     too_long = "x " * (ngram_engine.max_model_len * 2)
-    with pytest.raises(EngineInputError):
+    with pytest.raises(EngineInputError, match="input tokens"):
         await generate_ids(ngram_engine, greedy(too_long))
+    # A prompt no context could hold is refused by its length, before it is encoded (a
+    # megabyte would take the tokenizer a second), as vLLM's server refuses it.
+    with pytest.raises(EngineInputError, match="characters"):
+        await generate_ids(ngram_engine, greedy("x" * 2**20))
     # The engine keeps serving.
     assert len(await generate_ids(ngram_engine, greedy(COPY_PROMPT, max_tokens=4))) == 4
 

@@ -288,9 +288,25 @@ class VllmEngine:
 
     @property
     def tokenizer(self) -> Any:
-        """The engine's Hugging Face tokenizer: it encodes text prompts (chat is rendered
-        to token ids by the replica)."""
+        """The engine's Hugging Face tokenizer (chat is rendered to token ids by the
+        replica)."""
         return self.llm.tokenizer
+
+    async def _encode(self, text: str) -> list[int]:
+        """A text prompt's token ids, encoded by vLLM's renderer as its own server encodes
+        them: in the renderer's tokenizer thread, so a long prompt does not stall this
+        replica's other streams, and bounded by the context (a prompt far over it is refused
+        by its length in characters before any encoding, one just over it after at most
+        max_model_len + 1 tokens)."""
+        from vllm.exceptions import VLLMClientError
+
+        renderer = self.llm.renderer
+        try:
+            encoded = await renderer.tokenize_prompt_async({"prompt": text},
+                                                           renderer.default_cmpl_tok_params)
+        except (ValueError, VLLMClientError) as error:
+            raise EngineInputError(str(error)) from error
+        return list(encoded["prompt_token_ids"])
 
     async def start(self) -> None:
         configure_environment(self.spec, self.replica_rank)
@@ -374,7 +390,7 @@ class VllmEngine:
         except (ValueError, VLLMClientError) as error:
             raise EngineInputError(str(error)) from error
         prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
-                      else self.tokenizer.encode(request.prompt or ""))
+                      else await self._encode(request.prompt or ""))
         # vLLM's own server refuses this too; AsyncLLM alone would silently cut the output.
         if len(prompt_ids) + request.max_tokens > self.max_model_len:
             raise EngineInputError(
