@@ -295,9 +295,9 @@ class VllmEngine:
     async def _encode(self, text: str) -> list[int]:
         """A text prompt's token ids, encoded by vLLM's renderer as its own server encodes
         them: in the renderer's tokenizer thread, so a long prompt does not stall this
-        replica's other streams, and bounded by the context (a prompt far over it is refused
-        by its length in characters before any encoding, one just over it after at most
-        max_model_len + 1 tokens)."""
+        replica's other streams, and bounded by the context (a prompt longer in characters
+        than the context could hold is refused before any encoding, which bounds the work;
+        one just over it is refused by its count of tokens)."""
         from vllm.exceptions import VLLMClientError
 
         renderer = self.llm.renderer
