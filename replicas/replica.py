@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import time
@@ -110,28 +109,25 @@ class EngineReplica:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def _render_chat(self, messages: list[dict[str, Any]],
-                     template_kwargs: dict[str, Any] | None = None) -> tuple[int, ...]:
+    async def _render_chat(self, messages: list[dict[str, Any]],
+                           template_kwargs: dict[str, Any] | None = None) -> tuple[int, ...]:
         """The chat template's token ids, with nothing added: the template writes any BOS
         itself (vLLM's server tokenizes chat the same way; encoding the rendered text again
         would put a second BOS before a Llama 3 prompt's). `template_kwargs` are the
         request's variables for the template (`chat_template_kwargs`, such as Qwen3's
-        `enable_thinking`); the ingress refused those that name this call's own options."""
-        try:
-            rendered = self._tokenizer.apply_chat_template(
-                messages, tokenize=True, add_generation_prompt=True, return_dict=True,
-                **(template_kwargs or {}))
-        except Exception as error:  # a role or order the template refuses, or no template
-            raise EngineInputError(f"the model's chat template refused the messages: {error}"
-                                   ) from error
-        return tuple(rendered["input_ids"])
+        `enable_thinking`); the ingress refused those that name this call's own options.
+        Rendered in the template thread, off the event loop."""
+        def render() -> tuple[int, ...]:
+            try:
+                rendered = self._tokenizer.apply_chat_template(
+                    messages, tokenize=True, add_generation_prompt=True, return_dict=True,
+                    **(template_kwargs or {}))
+            except Exception as error:  # a role or order the template refuses, or none
+                raise EngineInputError(f"the model's chat template refused the messages: "
+                                       f"{error}") from error
+            return tuple(rendered["input_ids"])
 
-    async def _chat_ids(self, messages: list[dict[str, Any]],
-                        template_kwargs: dict[str, Any] | None) -> tuple[int, ...]:
-        """`_render_chat` in the template thread."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._template_thread, functools.partial(self._render_chat, messages,
-                                                     template_kwargs))
+        return await asyncio.get_running_loop().run_in_executor(self._template_thread, render)
 
     async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Stream one request: yields {"text", "token_ids", ...} chunks, or one {"error"}."""
@@ -152,7 +148,7 @@ class EngineReplica:
                 raise EngineInputError(f"logprobs are not available from the "
                                        f"{self.engine.name} engine")
             chat = payload.get("messages")
-            chat_ids = await self._chat_ids(chat, payload.get("chat_template_kwargs")) \
+            chat_ids = await self._render_chat(chat, payload.get("chat_template_kwargs")) \
                 if chat is not None else None
             max_tokens = payload["max_tokens"]
             if max_tokens is None and chat_ids is not None:  # to the end of the context

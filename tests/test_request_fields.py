@@ -5,7 +5,6 @@ OpenAI's two forms, and vLLM's chat template variables."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -196,27 +195,15 @@ def test_chat_template_kwargs_are_template_variables_only():
         == TEMPLATE_CALL_OPTIONS
 
 
-def test_the_replica_renders_the_requests_template_variables():
+async def test_the_replica_renders_the_requests_template_variables_off_its_event_loop():
+    """Chat is rendered with the request's template variables, in the replica's template
+    thread: a long conversation's template and encoding would stall the replica's other
+    streams on its event loop."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
     tokenizer.chat_template = ("{% if persona %}{{ persona }}: {% endif %}"
                                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    replica = SimpleNamespace(_tokenizer=tokenizer)
-    messages = [{"role": "user", "content": "def f("}]
-    plain = EngineReplica._render_chat(replica, messages)
-    styled = EngineReplica._render_chat(replica, messages, {"persona": "pirate"})
-    assert tokenizer.decode(plain) == "def f("
-    assert tokenizer.decode(styled) == "pirate: def f("
-
-
-async def test_the_replica_renders_chat_off_its_event_loop():
-    """A long conversation's template and encoding would stall the replica's other streams
-    on its event loop, so they run in the replica's template thread."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     threads = []
     render = tokenizer.apply_chat_template
 
@@ -226,11 +213,13 @@ async def test_the_replica_renders_chat_off_its_event_loop():
 
     tokenizer.apply_chat_template = recording
     replica = SimpleNamespace(_tokenizer=tokenizer, _template_thread=ThreadPoolExecutor(1))
-    replica._render_chat = functools.partial(EngineReplica._render_chat, replica)
-    messages = [{"role": "user", "content": "def f(x): return x"}]
+    messages = [{"role": "user", "content": "def f("}]
     try:
-        ids = await EngineReplica._chat_ids(replica, messages, None)
+        plain = await EngineReplica._render_chat(replica, messages)
+        styled = await EngineReplica._render_chat(replica, messages, {"persona": "pirate"})
     finally:
         replica._template_thread.shutdown()
-    assert tokenizer.decode(ids) == "def f(x): return x"
-    assert len(threads) == 1 and threads[0] is not threading.main_thread()
+    assert tokenizer.decode(plain) == "def f("
+    assert tokenizer.decode(styled) == "pirate: def f("
+    assert len(threads) == 2
+    assert all(thread is not threading.main_thread() for thread in threads)
