@@ -253,7 +253,7 @@ async def test_steps_that_prefill_a_prompt_are_marked(ngram_engine):
     await asyncio.gather(finish_first(),
                          generate_ids(ngram_engine, greedy(FREE_PROMPTS[0], max_tokens=8)))
     steps = ngram_engine.drain_steps()
-    prompt_tokens = len(ngram_engine.tokenizer.encode(FREE_PROMPTS[0]))
+    prompt_tokens = len(ngram_engine.llm.tokenizer.encode(FREE_PROMPTS[0]))
     marked = [s for s in steps if s.prefill_tokens]
     assert [s.prefill_tokens for s in marked][-1] == prompt_tokens
     assert not any(s.times_decoding for s in marked)

@@ -286,12 +286,6 @@ class VllmEngine:
             raise RuntimeError("engine not started")
         return self._llm
 
-    @property
-    def tokenizer(self) -> Any:
-        """The engine's Hugging Face tokenizer (chat is rendered to token ids by the
-        replica)."""
-        return self.llm.tokenizer
-
     async def _encode(self, text: str) -> list[int]:
         """A text prompt's token ids, encoded by vLLM's renderer as its own server encodes
         them: in the renderer's tokenizer thread, so a long prompt does not stall this
