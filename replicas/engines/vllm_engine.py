@@ -291,15 +291,10 @@ class VllmEngine:
         them: in the renderer's tokenizer thread, so a long prompt does not stall this
         replica's other streams, and bounded by the context (a prompt longer in characters
         than the context could hold is refused before any encoding, which bounds the work;
-        one just over it is refused by its count of tokens)."""
-        from vllm.exceptions import VLLMClientError
-
+        one just over it is refused by its count of tokens, both as vLLM's client errors)."""
         renderer = self.llm.renderer
-        try:
-            encoded = await renderer.tokenize_prompt_async({"prompt": text},
-                                                           renderer.default_cmpl_tok_params)
-        except (ValueError, VLLMClientError) as error:
-            raise EngineInputError(str(error)) from error
+        encoded = await renderer.tokenize_prompt_async({"prompt": text},
+                                                       renderer.default_cmpl_tok_params)
         return list(encoded["prompt_token_ids"])
 
     async def start(self) -> None:
@@ -375,16 +370,17 @@ class VllmEngine:
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-        try:
+        try:  # the client's sampling values and prompt, as vLLM checks them
             params = SamplingParams(
                 max_tokens=request.max_tokens, temperature=request.temperature,
                 top_p=request.top_p, seed=request.seed, stop=list(request.stop) or None,
                 logprobs=request.logprobs, ignore_eos=request.ignore_eos,
                 output_kind=RequestOutputKind.DELTA, **request.sampling_controls())
+            prompt_ids = (list(request.prompt_token_ids)
+                          if request.prompt_token_ids is not None
+                          else await self._encode(request.prompt or ""))
         except (ValueError, VLLMClientError) as error:
             raise EngineInputError(str(error)) from error
-        prompt_ids = (list(request.prompt_token_ids) if request.prompt_token_ids is not None
-                      else await self._encode(request.prompt or ""))
         # vLLM's own server refuses this too; AsyncLLM alone would silently cut the output.
         if len(prompt_ids) + request.max_tokens > self.max_model_len:
             raise EngineInputError(
