@@ -93,6 +93,10 @@ class EngineReplica:
         # Its own, not the engine's: vLLM's can be a Mistral tokenizer, whose chat rendering
         # returns ids in another form.
         self._tokenizer = await asyncio.to_thread(_load_tokenizer, spec.model)
+        # The most characters a conversation's text can have and still fit the context (no
+        # token is longer than its longest vocabulary entry), as vLLM bounds a text prompt.
+        self._max_chat_chars = self.engine.max_model_len * max(
+            map(len, self._tokenizer.get_vocab()))
         # Chat is rendered here, off the event loop (a long conversation would stall the
         # replica's other streams), one at a time, as vLLM's server renders in one thread.
         self._template_thread = ThreadPoolExecutor(max_workers=1,
@@ -116,7 +120,16 @@ class EngineReplica:
         would put a second BOS before a Llama 3 prompt's). `template_kwargs` are the
         request's variables for the template (`chat_template_kwargs`, such as Qwen3's
         `enable_thinking`); the ingress refused those that name this call's own options.
-        Rendered in the template thread, off the event loop."""
+        Rendered in the template thread, off the event loop, and only if the messages' text
+        could fit the context: a megabyte of it would hold the thread for most of a second
+        and every other chat on the replica behind it."""
+        characters = sum(len(message["content"]) for message in messages)
+        if characters > self._max_chat_chars:
+            raise EngineInputError(
+                f"this model's context is {self.engine.max_model_len} tokens, and the messages "
+                f"hold {characters} characters, more than {self._max_chat_chars}, which is the "
+                f"most that many tokens can hold")
+
         def render() -> tuple[int, ...]:
             try:
                 rendered = self._tokenizer.apply_chat_template(

@@ -186,6 +186,10 @@ def test_chat_without_a_limit_runs_to_the_end_of_the_context(client, kind):
     too_long = [{"role": "user", "content": "x " * EngineSpec(**ENGINES[kind]).max_model_len}]
     with pytest.raises(openai.BadRequestError, match="the messages take"):
         client.chat.completions.create(model="target", messages=too_long)
+    # Text no context of its tokens could hold is refused before the template runs.
+    with pytest.raises(openai.BadRequestError, match="characters"):
+        client.chat.completions.create(
+            model="target", messages=[{"role": "user", "content": "x" * 400_000}])
 
 
 def test_logprobs_come_from_vllm_and_the_simulator_says_it_has_none(client, kind):

@@ -9,12 +9,13 @@ import inspect
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from app.ingress import TEMPLATE_CALL_OPTIONS, ChatRequest, CompletionRequest
-from replicas.engines.base import SAMPLING_CONTROLS, GenerationRequest
+from replicas.engines.base import SAMPLING_CONTROLS, EngineInputError, GenerationRequest
 from replicas.engines.spec import DEMO_TARGET
 from replicas.replica import EngineReplica
 
@@ -212,7 +213,7 @@ async def test_the_replica_renders_the_requests_template_variables_off_its_event
         return render(*args, **kwargs)
 
     tokenizer.apply_chat_template = recording
-    replica = SimpleNamespace(_tokenizer=tokenizer, _template_thread=ThreadPoolExecutor(1))
+    replica = _chat_renderer(tokenizer)
     messages = [{"role": "user", "content": "def f("}]
     try:
         plain = await EngineReplica._render_chat(replica, messages)
@@ -223,3 +224,33 @@ async def test_the_replica_renders_the_requests_template_variables_off_its_event
     assert tokenizer.decode(styled) == "pirate: def f("
     assert len(threads) == 2
     assert all(thread is not threading.main_thread() for thread in threads)
+
+
+def _chat_renderer(tokenizer: Any, context: int = 1024) -> SimpleNamespace:
+    """What `EngineReplica._render_chat` reads of a replica, as its start-up sets it."""
+    return SimpleNamespace(
+        _tokenizer=tokenizer, _template_thread=ThreadPoolExecutor(1),
+        engine=SimpleNamespace(max_model_len=context),
+        _max_chat_chars=context * max(map(len, tokenizer.get_vocab())))
+
+
+async def test_a_conversation_too_long_for_the_context_is_refused_before_rendering():
+    """Messages with more text than the context's tokens could hold are refused as bad
+    input without rendering (a megabyte holds the template thread for most of a second);
+    one that fits is rendered, even past the context in tokens (said later, by count)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
+    replica = _chat_renderer(tokenizer, context=16)
+    longest = replica._max_chat_chars
+    try:
+        fits = await EngineReplica._render_chat(
+            replica, [{"role": "system", "content": "a " * (longest // 4)},
+                      {"role": "user", "content": "b" * (longest // 2)}])
+        with pytest.raises(EngineInputError, match=f"more than {longest}"):
+            await EngineReplica._render_chat(
+                replica, [{"role": "system", "content": "a" * (longest // 2)},
+                          {"role": "user", "content": "b" * (longest // 2 + 1)}])
+    finally:
+        replica._template_thread.shutdown()
+    assert len(fits) > 16
