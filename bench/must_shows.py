@@ -2,15 +2,16 @@
 show, the numbers that decide it, and a verdict by fixed rules, so that no verdict outlives
 the results it was read from.
 
-    python -m bench.must_shows          # write bench/results/must_shows.md
-    python -m bench.must_shows --check  # exit 1 if it is out of date
+    python -m bench.must_shows          # write bench/results/must_shows{,_runs}.md
+    python -m bench.must_shows --check  # exit 1 if either is out of date
 
 `bench/results/must_shows.json` names the saved runs each HTTP bar pools (`pooled`) and its
 latest run (`last`, the file the suite writes); the latest joins the pool unless it is one
 of the saved runs already, so a new suite run counts at once. A bar may also name the runs
 of the code as it stands (`current`: `since`, what changed, and its `pooled` runs; the
 latest joins them too): older runs measured an older policy, so those rounds get rows of
-their own, judged by the same rules, next to the rows of every run. The rules:
+their own, judged by the same rules, next to the rows of every run. `must_shows_runs.md`
+has each HTTP bar's runs one row each, as each run alone measured them. The rules:
 
 - HTTP, overall: an adaptive mode over the best static, round by round over every pooled
   round, as a geometric mean with its 95% interval (`RatioInterval`), and run by run (each
@@ -40,12 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.report import RatioInterval, is_static, number, print_table
+from bench.report import RatioInterval, is_static, number, print_table, ratio
 from bench.transition_report import best_static, over_best_static, paired_ratios, pool
 
 RESULTS = Path("bench/results")
 MANIFEST = "must_shows.json"
 OUTPUT = "must_shows.md"
+RUNS_OUTPUT = "must_shows_runs.md"
 OVERALL_BAR = 1.0
 PHASE_BAR = 0.9
 CLUSTER_GAIN_BAR = 1.1  # cluster-aware goodput over the best local-only policy
@@ -280,6 +282,53 @@ def cluster_rows(saved: dict[str, Any]) -> list[list[str]]:
     return [gain_row(saved["runs"]), switch_row(saved["runs"]), wall_row(saved)]
 
 
+def run_row(name: str, run: dict[str, Any], adaptive: list[str]) -> list[str]:
+    """One saved run alone: its machine's speed (static0, where it ran), its best static,
+    each adaptive mode over it by medians (worst phase) and round by round, the A/A
+    control's second run over its first, and the CPU other processes took meanwhile."""
+    modes = run["modes"]
+    best = best_static(modes, [m for m in modes if is_static(m)])
+    cells = [name, str(run["rounds"]),
+             number(modes["static0"]["throughput"], 1) if "static0" in modes else "-",
+             f"{best} {number(modes[best]['throughput'], 1)}"]
+    for mode in adaptive:
+        if mode not in modes:
+            cells += ["-", "-"]
+            continue
+        _, overall = over_best_static(modes, mode)
+        worst = min((over_best_static(modes, mode, phase)[1], phase) for phase in run["phases"])
+        interval = RatioInterval.of(paired_ratios(modes, [best], mode))
+        cells += [f"{number(overall, 3)}x ({worst[1]} {number(worst[0], 3)}x)",
+                  str(interval or "-")]
+    control = run.get("aa_control")
+    cells.append(ratio(control["again"]["throughput"], modes[control["mode"]]["throughput"])
+                 + "x" if control else "-")
+    foreign = run.get("foreign_cpu")
+    cells.append(f"{100 * foreign['share_of_a_core']:.1f}%" if foreign else "-")
+    return cells
+
+
+def render_runs(results: Path = RESULTS) -> str:
+    """Each HTTP bar's runs (those it pools, and the latest unless saved among them under
+    another name), one row each (see `run_row`), in the manifest's order."""
+    manifest = json.loads((results / MANIFEST).read_text())
+    tables = []
+    for bar in manifest["http"]:
+        saved = {name: json.loads((results / name).read_text()) for name in bar["pooled"]}
+        runs = with_latest(list(saved.values()), json.loads((results / bar["last"]).read_text()))
+        names = [*saved, *([bar["last"]] if len(runs) > len(saved) else [])]
+        adaptive = [m for m in ("goodput", "ema") if any(m in run["modes"] for run in runs)]
+        header = ["run", "rounds", "static0 tok/s", "best static, tok/s"]
+        for mode in adaptive:
+            header += [f"`{mode}` / best static by medians (worst phase)",
+                       f"`{mode}` round by round"]
+        tables.append(print_table(
+            f"RUNS: {bar['bar']} (each run alone)",
+            [*header, "A/A by medians", "other processes' CPU"],
+            [run_row(name, run, adaptive) for name, run in zip(names, runs, strict=True)]))
+    return "\n\n".join(tables)
+
+
 def render(results: Path = RESULTS) -> str:
     manifest = json.loads((results / MANIFEST).read_text())
     rows = [row for bar in manifest["http"] for row in http_rows(bar, results)]
@@ -293,14 +342,16 @@ def render(results: Path = RESULTS) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
-                        help=f"exit 1 if {RESULTS / OUTPUT} is not what the saved runs give")
+                        help=f"exit 1 if {RESULTS / OUTPUT} or {RESULTS / RUNS_OUTPUT} is "
+                             "not what the saved runs give")
     args = parser.parse_args()
-    text = render() + "\n"
-    output = RESULTS / OUTPUT
+    outputs = {RESULTS / OUTPUT: render() + "\n", RESULTS / RUNS_OUTPUT: render_runs() + "\n"}
     if args.check:
-        sys.exit(0 if output.exists() and output.read_text() == text else 1)
-    output.write_text(text)
-    print(text)
+        sys.exit(0 if all(path.exists() and path.read_text() == text
+                          for path, text in outputs.items()) else 1)
+    for path, text in outputs.items():
+        path.write_text(text)
+    print(outputs[RESULTS / OUTPUT])
 
 
 if __name__ == "__main__":

@@ -66,10 +66,12 @@ def verdict_row(table: str, starts: str) -> list[str]:
     return [cell.strip() for cell in row.strip("|").split("|")]
 
 
-def test_the_committed_table_is_what_the_saved_runs_give(monkeypatch):
+def test_the_committed_tables_are_what_the_saved_runs_give(monkeypatch):
     monkeypatch.chdir(ROOT)
     committed = (must_shows.RESULTS / must_shows.OUTPUT).read_text()
     assert must_shows.render() + "\n" == committed, "run `python -m bench.must_shows`"
+    runs = (must_shows.RESULTS / must_shows.RUNS_OUTPUT).read_text()
+    assert must_shows.render_runs() + "\n" == runs, "run `python -m bench.must_shows`"
 
 
 @pytest.mark.parametrize(("ratios", "verdict"), [
@@ -175,6 +177,25 @@ def test_the_latest_run_joins_the_pool_once(tmp_path):
     table = table_of(tmp_path, {"saved.json": run, "latest.json": run}, ["saved.json"],
                      "latest.json")
     assert "1 run, 3 rounds" in verdict_row(table, "transition: `goodput`")[2]
+
+
+def test_each_run_of_a_bar_gets_a_row_of_its_own_numbers_and_the_latest_one_row(tmp_path):
+    """The runs table: each pooled run alone, by its own best static; the latest run once,
+    though it is saved under a second name too; a run without the A/A control says so."""
+    first = a_run(steady(100.0, [1.2, 1.0, 1.1]))  # goodput 1.1x by medians
+    first["aa_control"] = {"mode": "goodput", "again": {
+        **first["modes"]["goodput"], "throughput": 0.9 * first["modes"]["goodput"]["throughput"]}}
+    second = a_run({"static1": [a_round(200.0, {"low": 200.0, "high": 200.0})] * 2,
+                    "goodput": [a_round(180.0, {"low": 150.0, "high": 210.0})] * 2})
+    table_of(tmp_path, {"a.json": first, "b.json": second, "latest.json": second},
+             ["a.json", "b.json"], "latest.json")
+    rows = must_shows.render_runs(tmp_path).splitlines()
+    assert [row.split("|")[1].strip() for row in rows if row.startswith("| ")][1:] \
+        == ["a.json", "b.json"]
+    a, b = (verdict_row("\n".join(rows), name) for name in ("a.json", "b.json"))
+    assert a[1:4] == ["3", "-", "static1 100.0"]
+    assert a[4] == "1.100x (high 1.100x)" and a[6:] == ["0.900x", "-"]
+    assert b[3] == "static1 200.0" and b[4] == "0.900x (low 0.750x)" and b[6] == "-"
 
 
 def test_the_cluster_bars_are_met_where_a_fleet_typically_reaches_them(tmp_path):
