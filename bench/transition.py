@@ -40,6 +40,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,14 +171,18 @@ async def run_phase(client: Client, phase: Phase, seed_base: int) -> PhaseResult
     await asyncio.gather(*(worker() for _ in range(phase.concurrency)))
     result.seconds = time.perf_counter() - result.started
     after = await client.replicas()
-    result.sequence_steps = _counter_delta(before, after, "sequence_steps")
+    result.sequence_steps = counter_growth(before, after,
+                                           lambda replica: replica["counters"]["sequence_steps"])
     return result
 
 
-def _counter_delta(before: list[dict], after: list[dict], key: str) -> int:
-    """Sum over replicas of a counter's growth (a restarted replica counts from zero)."""
-    start = {r["replica_id"]: r["counters"][key] for r in before}
-    return sum(max(0, r["counters"][key] - start.get(r["replica_id"], 0)) for r in after)
+def counter_growth(before: list[dict], after: list[dict], read: Callable[[dict], int]) -> int:
+    """Sum over the replicas of a counter's growth (`read` from a replica's admin stats): a
+    replica that left meanwhile adds nothing and one that joined (a restarted one has a new
+    id) counts from zero, where the difference of the fleet's sums would count a departed
+    replica's whole count against the rest."""
+    start = {r["replica_id"]: read(r) for r in before}
+    return sum(max(0, read(r) - start.get(r["replica_id"], 0)) for r in after)
 
 
 async def track_tiers(client: Client, stop: asyncio.Event, origin: float,
@@ -194,7 +199,7 @@ async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
     await client.set_policy(policy)
     warm = Phase("warmup", interleaved(LOW, HIGH), phases[0].concurrency, warmup)
     await run_phase(client, warm, seed_base=10_000)
-    switches_before = sum(r["switch_count"] for r in await client.replicas())
+    replicas_before = await client.replicas()
     timeline: list[dict[str, Any]] = []
     stop = asyncio.Event()
     tracker = asyncio.create_task(track_tiers(client, stop, origin, timeline))
@@ -209,7 +214,8 @@ async def run_mode(client: Client, mode: str, phases: list[Phase], warmup: int,
         raise
     stop.set()
     await tracker
-    switches = sum(r["switch_count"] for r in await client.replicas()) - switches_before
+    switches = counter_growth(replicas_before, await client.replicas(),
+                              lambda replica: replica["switch_count"])
     tokens = sum(r.tokens for r in results)
     seconds = sum(r.seconds for r in results)
     latencies = [lat for r in results for lat in r.latencies]

@@ -34,6 +34,7 @@ from bench.transition import (
     bench,
     build_parser,
     check_modes,
+    counter_growth,
     policy_for_mode,
     round_order,
     run_phase,
@@ -426,6 +427,19 @@ def test_a_run_the_app_fails_partway_keeps_the_rounds_every_mode_finished(monkey
     monkeypatch.setattr(FlakyApp, "fail_on_change", 1)
     with pytest.raises(SystemExit, match="no round finished"):
         asyncio.run(bench(args))
+
+
+def test_counters_grow_per_replica_across_a_change_of_the_replica_set() -> None:
+    """A mode's switches and steps are each replica's growth: a replica that left adds
+    nothing and one that joined counts from zero (the fleet's sums would give 3 - 12)."""
+    def stats(replica_id: str, switches: int) -> dict:
+        return {"replica_id": replica_id, "switch_count": switches}
+
+    before = [stats("a", 10), stats("b", 2)]
+    after = [stats("b", 5), stats("c", 0)]  # a was replaced by c
+    assert counter_growth(before, after, lambda r: r["switch_count"]) == 3
+    assert counter_growth(before, [stats("a", 11), stats("b", 2), stats("c", 4)],
+                          lambda r: r["switch_count"]) == 5
 
 
 def test_a_ratio_interval_is_a_t_interval_on_the_logs_of_the_rounds_ratios() -> None:
