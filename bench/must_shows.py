@@ -41,13 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.report import RatioInterval, is_static, number, print_table, ratio
+from bench.report import RatioInterval, is_static, number, print_table, quotient
 from bench.transition_report import best_static, over_best_static, paired_ratios, pool
 
 RESULTS = Path("bench/results")
 MANIFEST = "must_shows.json"
 OUTPUT = "must_shows.md"
 RUNS_OUTPUT = "must_shows_runs.md"
+# The suite's adaptive modes, the runs table's columns: a variant some older run ran beside
+# them (`goodput_classless`, say) is no bar.
+SUITE_ADAPTIVE = ("goodput", "ema")
 OVERALL_BAR = 1.0
 PHASE_BAR = 0.9
 CLUSTER_GAIN_BAR = 1.1  # cluster-aware goodput over the best local-only policy
@@ -109,17 +112,33 @@ def judge(runs: list[dict[str, Any]], pooled: dict[str, Any], mode: str, bar: fl
                key=lambda j: min(j.interval.low, j.by_runs.low if j.by_runs else math.inf))
 
 
+@dataclass(frozen=True)
+class RunAlone:
+    """One run's `mode` by itself: over the run's best static by medians, overall and in its
+    worst phase (against that phase's best static; a phase where no static made a token
+    comes last), and overall round by round."""
+
+    best: str
+    overall: float
+    worst_phase: str
+    worst: float
+    interval: RatioInterval | None
+
+    @classmethod
+    def of(cls, run: dict[str, Any], mode: str) -> RunAlone:
+        modes = run["modes"]
+        best, overall = over_best_static(modes, mode)
+        phases = {phase: over_best_static(modes, mode, phase)[1] for phase in run["phases"]}
+        worst = min(phases, key=lambda phase: (math.isnan(phases[phase]), phases[phase]))
+        return cls(best, overall, worst, phases[worst],
+                   RatioInterval.of(paired_ratios(modes, [best], mode)))
+
+
 def last_run_cell(run: dict[str, Any], mode: str) -> str:
-    """The latest run alone: `mode` over its best static by medians, overall and in its
-    worst phase (against that phase's best static), and overall round by round."""
-    modes = run["modes"]
-    best, overall = over_best_static(modes, mode)
-    phases = {phase: over_best_static(modes, mode, phase)[1] for phase in run["phases"]}
-    worst = min(phases, key=lambda phase: (math.isnan(phases[phase]), phases[phase]))
-    cell = (f"{number(overall, 3)}x {best}, worst phase {number(phases[worst], 3)}x "
-            f"({worst}), {run['rounds']} rounds")
-    interval = RatioInterval.of(paired_ratios(modes, [best], mode))
-    return cell + (f"; round by round {interval}" if interval else "")
+    alone = RunAlone.of(run, mode)
+    cell = (f"{as_ratio(alone.overall)} {alone.best}, worst phase {as_ratio(alone.worst)} "
+            f"({alone.worst_phase}), {run['rounds']} rounds")
+    return cell + (f"; round by round {alone.interval}" if alone.interval else "")
 
 
 def http_rows(bar: dict[str, Any], results: Path) -> list[list[str]]:
@@ -199,8 +218,8 @@ def phase_outcome(phases: dict[str, Judged]) -> str:
 
 
 def as_ratio(value: float, places: int = 3) -> str:
-    """A cluster verdict value: nan where the base made nothing (no SLO met), inf where
-    the cluster-aware mode never switched."""
+    """A ratio as "1.025x"; "n/a" for nan, where the base made nothing (no tokens, or no
+    request within the SLO); "infx" where the cluster-aware mode never switched."""
     return "n/a" if math.isnan(value) else f"{value:.{places}f}x"
 
 
@@ -282,10 +301,10 @@ def cluster_rows(saved: dict[str, Any]) -> list[list[str]]:
     return [gain_row(saved["runs"]), switch_row(saved["runs"]), wall_row(saved)]
 
 
-def run_row(name: str, run: dict[str, Any], adaptive: list[str]) -> list[str]:
+def run_row(name: str, run: dict[str, Any], adaptive: tuple[str, ...]) -> list[str]:
     """One saved run alone: its machine's speed (static0, where it ran), its best static,
-    each adaptive mode over it by medians (worst phase) and round by round, the A/A
-    control's second run over its first, and the CPU other processes took meanwhile."""
+    each adaptive mode by itself (`RunAlone`), the A/A control's second run over its first,
+    and the CPU other processes took meanwhile."""
     modes = run["modes"]
     best = best_static(modes, [m for m in modes if is_static(m)])
     cells = [name, str(run["rounds"]),
@@ -295,14 +314,12 @@ def run_row(name: str, run: dict[str, Any], adaptive: list[str]) -> list[str]:
         if mode not in modes:
             cells += ["-", "-"]
             continue
-        _, overall = over_best_static(modes, mode)
-        worst = min((over_best_static(modes, mode, phase)[1], phase) for phase in run["phases"])
-        interval = RatioInterval.of(paired_ratios(modes, [best], mode))
-        cells += [f"{number(overall, 3)}x ({worst[1]} {number(worst[0], 3)}x)",
-                  str(interval or "-")]
+        alone = RunAlone.of(run, mode)
+        cells += [f"{as_ratio(alone.overall)} ({alone.worst_phase} {as_ratio(alone.worst)})",
+                  str(alone.interval or "-")]
     control = run.get("aa_control")
-    cells.append(ratio(control["again"]["throughput"], modes[control["mode"]]["throughput"])
-                 + "x" if control else "-")
+    cells.append(as_ratio(quotient(control["again"]["throughput"],
+                                   modes[control["mode"]]["throughput"])) if control else "-")
     foreign = run.get("foreign_cpu")
     cells.append(f"{100 * foreign['share_of_a_core']:.1f}%" if foreign else "-")
     return cells
@@ -317,10 +334,10 @@ def render_runs(results: Path = RESULTS) -> str:
         saved = {name: json.loads((results / name).read_text()) for name in bar["pooled"]}
         runs = with_latest(list(saved.values()), json.loads((results / bar["last"]).read_text()))
         names = [*saved, *([bar["last"]] if len(runs) > len(saved) else [])]
-        adaptive = [m for m in ("goodput", "ema") if any(m in run["modes"] for run in runs)]
+        adaptive = tuple(m for m in SUITE_ADAPTIVE if any(m in run["modes"] for run in runs))
         header = ["run", "rounds", "static0 tok/s", "best static, tok/s"]
         for mode in adaptive:
-            header += [f"`{mode}` / best static by medians (worst phase)",
+            header += [f"`{mode}` / best static by medians (worst phase, against its best)",
                        f"`{mode}` round by round"]
         tables.append(print_table(
             f"RUNS: {bar['bar']} (each run alone)",

@@ -54,6 +54,12 @@ def _load_tokenizer(model: str) -> Any:
     return AutoTokenizer.from_pretrained(model)
 
 
+def max_chat_characters(tokenizer: Any, context: int) -> int:
+    """The most characters a conversation's text can have and still fit `context` tokens:
+    no token is longer than the longest vocabulary entry (vLLM bounds a text prompt so)."""
+    return context * max(map(len, tokenizer.get_vocab()))
+
+
 class EngineReplica:
     async def __init__(self, engine: dict[str, Any], candidates: list[int],
                        policy: dict[str, Any], initial_k: int | None = None,
@@ -93,10 +99,8 @@ class EngineReplica:
         # Its own, not the engine's: vLLM's can be a Mistral tokenizer, whose chat rendering
         # returns ids in another form.
         self._tokenizer = await asyncio.to_thread(_load_tokenizer, spec.model)
-        # The most characters a conversation's text can have and still fit the context (no
-        # token is longer than its longest vocabulary entry), as vLLM bounds a text prompt.
-        self._max_chat_chars = self.engine.max_model_len * max(
-            map(len, self._tokenizer.get_vocab()))
+        self._max_chat_chars = await asyncio.to_thread(max_chat_characters, self._tokenizer,
+                                                       self.engine.max_model_len)
         # Chat is rendered here, off the event loop (a long conversation would stall the
         # replica's other streams), one at a time, as vLLM's server renders in one thread.
         self._template_thread = ThreadPoolExecutor(max_workers=1,

@@ -187,15 +187,19 @@ def test_each_run_of_a_bar_gets_a_row_of_its_own_numbers_and_the_latest_one_row(
         **first["modes"]["goodput"], "throughput": 0.9 * first["modes"]["goodput"]["throughput"]}}
     second = a_run({"static1": [a_round(200.0, {"low": 200.0, "high": 200.0})] * 2,
                     "goodput": [a_round(180.0, {"low": 150.0, "high": 210.0})] * 2})
-    table_of(tmp_path, {"a.json": first, "b.json": second, "latest.json": second},
-             ["a.json", "b.json"], "latest.json")
+    # No static made a token in c's first phase: no ratio there, and not its worst phase.
+    third = a_run({"static1": [a_round(100.0, {"low": 0.0, "high": 200.0})] * 2,
+                   "goodput": [a_round(125.0, {"low": 100.0, "high": 150.0})] * 2})
+    table_of(tmp_path, {"a.json": first, "b.json": second, "c.json": third,
+                        "latest.json": second}, ["a.json", "b.json", "c.json"], "latest.json")
     rows = must_shows.render_runs(tmp_path).splitlines()
     assert [row.split("|")[1].strip() for row in rows if row.startswith("| ")][1:] \
-        == ["a.json", "b.json"]
-    a, b = (verdict_row("\n".join(rows), name) for name in ("a.json", "b.json"))
+        == ["a.json", "b.json", "c.json"]
+    a, b, c = (verdict_row("\n".join(rows), name) for name in ("a.json", "b.json", "c.json"))
     assert a[1:4] == ["3", "-", "static1 100.0"]
-    assert a[4] == "1.100x (high 1.100x)" and a[6:] == ["0.900x", "-"]
+    assert a[4] == "1.100x (low 1.100x)" and a[6:] == ["0.900x", "-"]  # a tie: the first
     assert b[3] == "static1 200.0" and b[4] == "0.900x (low 0.750x)" and b[6] == "-"
+    assert c[4] == "1.250x (high 0.750x)"
 
 
 def test_the_cluster_bars_are_met_where_a_fleet_typically_reaches_them(tmp_path):

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from app.ingress import TEMPLATE_CALL_OPTIONS, ChatRequest, CompletionRequest
 from replicas.engines.base import SAMPLING_CONTROLS, EngineInputError, GenerationRequest
 from replicas.engines.spec import DEMO_TARGET
-from replicas.replica import EngineReplica
+from replicas.replica import EngineReplica, max_chat_characters
 
 
 def completion(**fields: object) -> CompletionRequest:
@@ -231,7 +231,7 @@ def _chat_renderer(tokenizer: Any, context: int = 1024) -> SimpleNamespace:
     return SimpleNamespace(
         _tokenizer=tokenizer, _template_thread=ThreadPoolExecutor(1),
         engine=SimpleNamespace(max_model_len=context),
-        _max_chat_chars=context * max(map(len, tokenizer.get_vocab())))
+        _max_chat_chars=max_chat_characters(tokenizer, context))
 
 
 async def test_a_conversation_too_long_for_the_context_is_refused_before_rendering():
@@ -243,6 +243,7 @@ async def test_a_conversation_too_long_for_the_context_is_refused_before_renderi
     tokenizer = AutoTokenizer.from_pretrained(DEMO_TARGET)
     replica = _chat_renderer(tokenizer, context=16)
     longest = replica._max_chat_chars
+    assert longest == 16 * 45  # the demo vocabulary's longest entry has 45 characters
     try:
         fits = await EngineReplica._render_chat(
             replica, [{"role": "system", "content": "a " * (longest // 4)},
