@@ -9,6 +9,7 @@ shapes follow OpenAI's API (and vLLM's `ignore_eos` extension).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -16,7 +17,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -62,6 +63,10 @@ BROADCAST_TIMEOUT_S = 10.0  # /metrics, /admin: every replica answers within thi
 GREEDY_BELOW = 1e-5  # temperature under which sampling is argmax (vLLM's threshold)
 # vLLM seeds a torch.Generator per request, which takes a 64-bit signed integer.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+# vLLM checks every stop string of a request after each of its steps, on the replica's event
+# loop that every other stream shares: a body of a megabyte could hold a quarter of a million
+# of them. OpenAI takes 4; vLLM sets no bound.
+MAX_STOP_STRINGS = 64
 logger = logging.getLogger("ray.serve")
 
 
@@ -143,7 +148,7 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     ignore_eos: bool = False
     user: str | None = None
@@ -382,13 +387,19 @@ REPLICAS_UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableE
 
 async def first_chunk(engine: DeploymentHandle, payload: dict[str, Any]
                       ) -> tuple[Any, dict[str, Any]]:
-    """The request's response stream and its first chunk (an empty final one if none)."""
+    """The request's response stream and its first chunk (an empty final one if none). A
+    stream that fails before it is cancelled: a replica unavailable for a moment may still
+    be generating for it, for nobody, while the request is sent again."""
     stream = engine.options(stream=True).generate.remote(payload)
     try:
         return stream, await stream.__anext__()
     except StopAsyncIteration:
         return stream, {"text": "", "token_ids": [], "prompt_tokens": 0,
                         "completion_tokens": 0, "finish_reason": "stop", "logprobs": None}
+    except BaseException:
+        with contextlib.suppress(Exception):
+            stream.cancel()
+        raise
 
 
 async def open_stream(engine: DeploymentHandle, payload: dict[str, Any]

@@ -26,8 +26,9 @@ class CompletionFormat:
 
     def _logprobs(self, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
         """OpenAI's legacy completion logprobs: each token, its logprob, the most likely
-        tokens at its position and where its text starts. Entries are the replica's:
-        {"token", "logprob", "top": [[token, logprob], ...]}."""
+        tokens at its position with the sampled one always among them (so up to
+        `logprobs` + 1, as OpenAI and vLLM give them) and where its text starts. Entries
+        are the replica's: {"token", "logprob", "top": [[token, logprob], ...]}."""
         if not entries:
             return None
         offsets = []
@@ -36,7 +37,8 @@ class CompletionFormat:
             self._text_offset += len(entry["token"])
         return {"tokens": [entry["token"] for entry in entries],
                 "token_logprobs": [entry["logprob"] for entry in entries],
-                "top_logprobs": [dict(entry["top"]) for entry in entries],
+                "top_logprobs": [{**dict(entry["top"]), entry["token"]: entry["logprob"]}
+                                 for entry in entries],
                 "text_offset": offsets}
 
     def _base(self) -> dict[str, Any]:

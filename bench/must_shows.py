@@ -16,15 +16,18 @@ has each HTTP bar's runs one row each, as each run alone measured them. The rule
 - HTTP, overall: an adaptive mode over the best static, round by round over every pooled
   round, as a geometric mean with its 95% interval (`RatioInterval`), and run by run (each
   run's geometric mean one sample: the rounds of one app start on one machine may share a
-  level, which the rounds' interval would count as independent evidence), against each
-  static that was the best of some pooled run (pooled medians mix machines of different
-  speeds, so the pool's own best static is no safe choice): above the bar against a static
-  where both intervals lie above it (the rounds' alone where there is no interval by runs:
-  a single run, or a run without rounds against it), below it where both lie below (two
-  runs give an interval by runs that resolves little: its t quantile is 12.7); met where
-  above against every one of them, missed where below against any, else not resolved (and
-  then the last run's medians say on which side it fell).
-- HTTP, per phase: the same against 0.9 in every phase, against each phase's best statics.
+  level, which the rounds' interval would count as independent evidence), against every
+  static the runs have: which one is best is itself measured with noise (pooled medians
+  mix machines of different speeds, and a static best by medians need not be best by the
+  rounds' ratios), and the bar holds only where it holds against each (an
+  intersection-union test, so no correction for the several comparisons). Above the bar
+  against a static where both intervals lie above it (the rounds' alone where there is no
+  interval by runs: a single run, or a single run with rounds against it, a round where
+  the static made nothing having no ratio), below it where both lie below (two runs give
+  an interval by runs that resolves little: its t quantile is 12.7); met where above
+  against every static, missed where below against any, else not resolved (and then the
+  last run's medians say on which side it fell).
+- HTTP, per phase: the same against 0.9 in every phase.
 - Cluster simulation: the ratios of its saved run (`bench.cluster_sim`), met at a fleet size
   where they reach the bar, as the median over the burst patterns where several ran; wall
   time as that run measured it, on the machine it ran on.
@@ -62,13 +65,14 @@ OUTCOME = {"above": "met", "below": "missed", "not resolved": "not resolved"}
 
 @dataclass(frozen=True)
 class Judged:
-    """A mode's pooled rounds against each candidate best static (see `judge`): the outcome
-    at `bar`, and the static that decides it with its round-by-round interval and its
-    run-by-run one (None for a single run)."""
+    """A mode's pooled rounds against every static (see `judge`): the outcome at `bar`, and
+    the static that decides it with its round-by-round interval and its run-by-run one
+    (None for a single run with rounds against it)."""
 
     outcome: str
-    """"above", "below" or "not resolved"; "no interval" with fewer than two rounds or a
-    round in which the mode or the static made nothing."""
+    """"above", "below" or "not resolved"; "no interval" with fewer than two rounds with a
+    ratio (a round where the static made nothing has none) or a round in which the mode
+    made nothing."""
     static: str
     interval: RatioInterval | None
     by_runs: RatioInterval | None = None
@@ -87,24 +91,30 @@ def with_latest(runs: list[dict[str, Any]], last: dict[str, Any]) -> list[dict[s
 
 def judge(runs: list[dict[str, Any]], pooled: dict[str, Any], mode: str, bar: float,
           phase: str | None = None) -> Judged:
-    """`mode`'s pooled rounds (overall, or in `phase`) against each static that was the best
-    of some run there, among the statics every run has, by rounds and by runs: above `bar`
-    only if above it against every one, below it if below against any, else not resolved.
-    The static shown decides: one it lies below (the lowest), else the one with the lowest
-    interval."""
-    statics = [m for m in pooled["modes"] if is_static(m)]
-    candidates = sorted({best_static(run["modes"], statics, phase) for run in runs})
+    """`mode`'s pooled rounds (overall, or in `phase`) against every static every run has, by
+    rounds and by runs: above `bar` only if above it against every one, below it if below
+    against any, else not resolved. The static shown decides: one it lies below (the
+    lowest), else the one with the lowest interval. A static that made nothing in every
+    pooled round is no contender and is passed over."""
+    statics = sorted(m for m in pooled["modes"] if is_static(m))
     judged = {}
-    for static in candidates:
-        # Each run's rounds, in pool order: together they are the pooled rounds.
-        groups = [paired_ratios(run["modes"], [static], mode, phase) for run in runs]
+    for static in statics:
+        # Each run's rounds, in pool order: together they are the pooled rounds. A run
+        # without a round against the static (it made nothing in each) adds no sample by
+        # runs, and does not take the other runs' interval away.
+        groups = [group for run in runs
+                  if (group := paired_ratios(run["modes"], [static], mode, phase))]
+        if not groups:
+            continue
         interval = RatioInterval.of([ratio for group in groups for ratio in group])
         if interval is None:
             return Judged("no interval", static, None)
-        by_runs = RatioInterval.over_groups(groups) if len(runs) > 1 else None
+        by_runs = RatioInterval.over_groups(groups) if len(groups) > 1 else None
         sides = {interval.against(bar), *([by_runs.against(bar)] if by_runs else ())}
         judged[static] = Judged(sides.pop() if len(sides) == 1 else "not resolved", static,
                                 interval, by_runs)
+    if not judged:
+        return Judged("no interval", statics[0], None)
     below = [j for j in judged.values() if j.outcome == "below"]
     if below:
         return min(below, key=lambda j: j.interval.high)

@@ -126,7 +126,13 @@ class EngineReplica:
         `enable_thinking`); the ingress refused those that name this call's own options.
         Rendered in the template thread, off the event loop, and only if the messages' text
         could fit the context: a megabyte of it would hold the thread for most of a second
-        and every other chat on the replica behind it."""
+        and every other chat on the replica behind it. Nor are more messages rendered than
+        the context has tokens: each renders to one at least (its role's markers), and
+        empty ones hold no characters to count."""
+        if len(messages) > self.engine.max_model_len:
+            raise EngineInputError(
+                f"this model's context is {self.engine.max_model_len} tokens, and the request "
+                f"has {len(messages)} messages, each of which takes one token at least")
         characters = sum(len(message["content"]) for message in messages)
         if characters > self._max_chat_chars:
             raise EngineInputError(
@@ -256,6 +262,8 @@ class EngineReplica:
         if change is not None:
             self._note_switch(change, decision)
         self.metrics.set_effective_concurrency(self._effective_concurrency())
+        counters = self.engine.counters()
+        self.metrics.set_engine_load(counters.running, counters.waiting)
 
     def _note_switch(self, change: TierSwitch, decision: Decision) -> None:
         """Every tier switch is counted once and marked on every in-flight request span."""

@@ -50,6 +50,7 @@ class Engine:
 
     def __init__(self, *outcomes: BaseException | str | list[dict[str, Any]]):
         self.outcomes, self.sent = list(outcomes), 0
+        self.streams: list[Stream] = []
 
     def options(self, stream: bool) -> Engine:
         return self
@@ -61,6 +62,7 @@ class Engine:
     def remote(self, payload: dict[str, Any]) -> Stream:
         self.sent += 1
         self.stream = Stream(self.outcomes.pop(0))
+        self.streams.append(self.stream)
         return self.stream
 
 
@@ -136,8 +138,10 @@ def test_a_request_the_engine_refuses_is_a_400_counted_invalid_not_error(spans_f
 
 
 def test_a_replica_that_died_before_answering_gets_the_request_once_more(spans_finished):
+    """The first attempt is cancelled: a replica unavailable for a moment may still run it."""
     engine, recorded = Engine(RayActorError(), [dict(CHUNK)]), Recorded()
     body = asyncio.run(completion(engine, recorded))
+    assert [stream.cancelled for stream in engine.streams] == [True, False]
     assert body["choices"][0]["text"] == "hi" and engine.sent == 2
     assert recorded.statuses == ["ok"] and spans_finished == [None]
 

@@ -61,6 +61,7 @@ def replica() -> Iterator[ReplicaMetrics]:
 def test_counters_agree_with_the_steps(replica: ReplicaMetrics) -> None:
     replica.record_steps(STEPS)
     replica.set_effective_concurrency(5)
+    replica.set_engine_load(running=4, waiting=2)  # not the last step's 1 and 0
     fam = _families(render_prometheus(replica.snapshot()))
 
     drafted = _value(fam, "specserve_spec_draft_tokens_total", replica="r0")
@@ -77,10 +78,10 @@ def test_counters_agree_with_the_steps(replica: ReplicaMetrics) -> None:
                       replica="r0", position=str(pos)) == a
     assert _value(fam, "specserve_spec_wasted_draft_ratio", replica="r0") \
         == pytest.approx(1 - 8 / 13)
-    # Gauges follow the latest step.
+    # The tier gauge follows the latest step; the load gauges, the engine's counts now.
     assert _value(fam, "specserve_spec_active_tier", replica="r0") == 1
-    assert _value(fam, "specserve_requests_running", replica="r0") == 1
-    assert _value(fam, "specserve_requests_waiting", replica="r0") == 0
+    assert _value(fam, "specserve_requests_running", replica="r0") == 4
+    assert _value(fam, "specserve_requests_waiting", replica="r0") == 2
     assert _value(fam, "specserve_effective_concurrency", replica="r0") == 5
     assert _value(fam, "specserve_spec_candidate_tiers_info", replica="r0",
                   candidates="0,1,3") == 1

@@ -30,6 +30,14 @@ def test_completion_logprobs_name_the_sampled_tokens_not_the_most_likely():
                         "text_offset": [0, 3, 5]}
 
 
+def test_completion_top_logprobs_always_hold_the_sampled_token():
+    """A sampled token outside the most likely ones joins them: up to logprobs + 1."""
+    entry = {"token": "x", "logprob": -4.0, "top": [["def", -0.1], ["class", -2.5]]}
+    body = CompletionFormat("r", "target").full("x", "length", chunk([entry]), [entry])
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [
+        {"def": -0.1, "class": -2.5, "x": -4.0}]
+
+
 def test_streamed_completion_logprobs_continue_the_text_offsets():
     formatter = CompletionFormat("r", "target")
     first = formatter.delta(chunk(ENTRIES[:1]), first=True)["choices"][0]["logprobs"]

@@ -31,6 +31,15 @@ def test_every_control_handed_on_has_the_same_default_on_both_sides():
         assert getattr(request, name) == engine_defaults[name], name
 
 
+def test_stop_strings_are_bounded_in_number_not_in_length():
+    """A megabyte of one-character stop strings would have vLLM check a quarter of a
+    million of them after every step, on the loop all of a replica's streams share."""
+    assert completion(stop=["x"] * 64).stops() == ["x"] * 64
+    assert completion(stop="x" * 1000).stops() == ["x" * 1000]
+    with pytest.raises(ValidationError, match="at most 64 items"):
+        completion(stop=["x"] * 65)
+
+
 def test_null_means_the_default_as_in_openais_api():
     request = completion(temperature=None, top_p=None, n=None, presence_penalty=None,
                          frequency_penalty=None, repetition_penalty=None, top_k=None,
@@ -252,6 +261,9 @@ async def test_a_conversation_too_long_for_the_context_is_refused_before_renderi
             await EngineReplica._render_chat(
                 replica, [{"role": "system", "content": "a" * (longest // 2)},
                           {"role": "user", "content": "b" * (longest // 2 + 1)}])
+        # Empty messages hold no characters, and each still takes a token.
+        with pytest.raises(EngineInputError, match="has 17 messages"):
+            await EngineReplica._render_chat(replica, [{"role": "user", "content": ""}] * 17)
     finally:
         replica._template_thread.shutdown()
     assert len(fits) > 16

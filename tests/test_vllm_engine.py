@@ -13,12 +13,18 @@ import sys
 import uuid
 from collections import deque
 from dataclasses import replace
+from types import SimpleNamespace
 
 import psutil
 import pytest
 
 from bench.workloads import COPY_PROMPT, FREE_PROMPTS
-from replicas.engines.base import SETTLE_STEPS, EngineInputError, GenerationRequest
+from replicas.engines.base import (
+    SETTLE_STEPS,
+    EngineInputError,
+    EngineRequestFailed,
+    GenerationRequest,
+)
 from replicas.engines.spec import DEMO_TARGET, REPO_ROOT, EngineSpec
 from replicas.engines.vllm_engine import (
     VllmEngine,
@@ -260,6 +266,21 @@ async def test_steps_that_prefill_a_prompt_are_marked(ngram_engine):
     assert sum(s.times_decoding for s in steps) >= len(steps) // 2
 
 
+async def test_a_step_that_finishes_requests_counts_them_in_its_batch(ngram_engine):
+    """At K=0 each request a step runs makes one token, so every step's batch is its
+    tokens, the steps that finish a request included (vLLM counts its running requests
+    after taking the finished ones out); and once all have finished none is running."""
+    await ngram_engine.set_k(0)
+    ngram_engine.drain_steps()
+    await asyncio.gather(*(generate_ids(ngram_engine, greedy(prompt, max_tokens=tokens))
+                           for prompt, tokens in zip(FREE_PROMPTS, (6, 12, 18), strict=False)))
+    steps = ngram_engine.drain_steps()
+    assert sum(step.generated_tokens for step in steps) == 6 + 12 + 18
+    assert [step.running for step in steps] == [step.generated_tokens for step in steps]
+    assert 3 in [step.running for step in steps]
+    assert ngram_engine.counters().running == 0
+
+
 async def test_counters_agree_with_vllm_prometheus(ngram_engine):
     """Our per-step totals move exactly as vLLM's own spec-decode Prometheus counters do."""
     await ngram_engine.set_k(3)
@@ -407,7 +428,7 @@ def test_a_step_record_counts_the_positions_each_cap_closes():
     log = _StepLog(kmax=7)
     log.windows = {request_id: deque() for request_id in ("a", "b", "c", "d")}
     log.draft_caps = {"a": 1, "b": 3, "c": 7, "gone": 0}
-    log.record(running=4, waiting=0, spec_stats=None, generated=4, prefilled=0)
+    log.record(running=4, waiting=0, spec_stats=None, generated=4, prefilled=0, produced=4)
     step = log.records[-1]
     assert step.capped_per_pos == (0, 1, 1, 2, 2, 2, 2)
     assert step.slots_per_pos == (4, 3, 3, 2, 2, 2, 2)
@@ -446,6 +467,32 @@ async def test_prompt_too_long_is_an_input_error(ngram_engine):
     # The engine keeps serving.
     assert len(await generate_ids(ngram_engine, greedy(COPY_PROMPT, max_tokens=4))) == 4
 
+
+
+class EndsUnfinished:
+    """In place of vLLM's `AsyncLLM`: a request that makes a token, then ends with `reason`
+    (the real engine gives "error" only on an internal failure, "abort" on a shutdown)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    async def generate(self, prompt: dict, params: object, request_id: str):
+        for finished, tokens, reason in ((False, [5], None), (True, [], self.reason)):
+            yield SimpleNamespace(finished=finished, prompt_token_ids=prompt["prompt_token_ids"],
+                                  outputs=[SimpleNamespace(token_ids=tokens, text="a" * len(tokens),
+                                                           finish_reason=reason, logprobs=None)])
+
+
+@pytest.mark.parametrize("reason", ["error", "abort"])
+async def test_a_request_vllm_ends_unfinished_fails_rather_than_completes(reason):
+    engine = VllmEngine(spec_for("ngram"))
+    engine._llm = EndsUnfinished(reason)
+    request = replace(greedy("unused"), prompt_token_ids=(1, 2), max_tokens=4)
+    chunks = []
+    with pytest.raises(EngineRequestFailed, match=reason):
+        async for chunk in engine.generate(request):
+            chunks.append(chunk)
+    assert [chunk.token_ids for chunk in chunks] == [(5,)]
 
 
 def test_a_drafter_model_runs_on_intel_openmp_and_prompt_lookup_does_not(engines):

@@ -20,6 +20,13 @@ class EngineInputError(ValueError):
     """
 
 
+class EngineRequestFailed(RuntimeError):
+    """The engine ended a request it had taken without finishing it (vLLM's finish reason
+    "error", an internal failure, or "abort" by anyone but the replica, as when the engine
+    core shuts down). The HTTP layer answers a 500, or an error event mid-stream: a
+    request cut short is not a completion."""
+
+
 T = TypeVar("T")
 
 
@@ -105,6 +112,7 @@ class StepRecord:
     """What one engine step did. The control loop folds these into policy Signals."""
 
     running: int
+    """The requests the step ran, those it finished included: its batch."""
     waiting: int
     k: int
     """The K in force for this step."""

@@ -28,6 +28,7 @@ from policies.signals import REQUEST_WINDOW, RequestAcceptance, RequestWindows
 from replicas.engines.base import (
     EngineCounters,
     EngineInputError,
+    EngineRequestFailed,
     FinishedWindows,
     GenerationChunk,
     GenerationRequest,
@@ -42,6 +43,11 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
+
+# vLLM's finish reasons for a request it ended unfinished: "error" (an internal failure,
+# which vLLM's own server always answers with a 500) and "abort" (the replica aborts only
+# requests it has stopped reading, so one seen here came from elsewhere: a shutdown).
+UNFINISHED_REASONS = ("error", "abort")
 
 
 def cpu_bind_for_rank(rank: int, threads: int, cores: int) -> str:
@@ -179,6 +185,7 @@ class _StepLog:
         self.records: list[StepRecord] = []
         self.totals = EngineCounters(accepted_per_pos=[0] * kmax, drafted_per_pos=[0] * kmax)
         self._last_busy_at: float | None = None
+        self.running = 0  # requests running after the last step, as the scheduler counts
         # request id -> its recent (accepted, drafted) per verify step, for the policies.
         self.windows: dict[str, deque[tuple[int, int]]] = {}
         # vLLM's output processor's request states (internal id -> state); set at start.
@@ -188,7 +195,7 @@ class _StepLog:
         # Which step wall times are kept (not idle gaps, not the steps after a control call).
         self.timer = StepTimer()
         # The K the step being recorded ran (its drafts' proposing K, from its outcomes); None
-        # when no request decoded in it: then the K last set.
+        # when no request that goes on decoded in it (see `record`).
         self._step_k: int | None = None
 
     def collect_outcomes(self) -> None:
@@ -207,12 +214,19 @@ class _StepLog:
                                   strict=True))
 
     def record(self, running: int, waiting: int, spec_stats: Any, generated: int,
-               prefilled: int) -> None:
+               prefilled: int, produced: int) -> None:
+        """One step, from vLLM's stats: `running` and `waiting` as the scheduler counts them
+        after the step, and `produced`, the requests that made a token in it: the step's
+        batch. vLLM counts `running` after it has taken out the requests the step finished,
+        which the step ran (and whose drafts it verified). A prompt still prefilled in
+        chunks makes no token and is not counted: it verified no drafts, and its step is
+        not timed as decoding (`StepRecord.prefill_tokens`)."""
         now = time.perf_counter()
         # The engine steps back to back while it has work, so the gap between two busy steps
         # is the step's wall time; the first step after idle has no measurable time (0).
         wall = 0.0 if self._last_busy_at is None else self.timer.measured(now - self._last_busy_at)
         self._last_busy_at = now if running else None
+        self.running = running
 
         accepted_pos = drafted_pos = (0,) * self.kmax
         drafts = draft_tokens = accepted = 0
@@ -221,11 +235,18 @@ class _StepLog:
             accepted = spec_stats.num_accepted_tokens
             accepted_pos = _padded(spec_stats.num_accepted_tokens_per_pos, self.kmax)
             drafted_pos = _padded(spec_stats.num_draft_tokens_per_pos, self.kmax)
-        step_k, self._step_k = (self.k if self._step_k is None else self._step_k), None
+        step_k, self._step_k = self._step_k, None
+        if step_k is None:
+            # No request that goes on decoded in the step (the scheduler labels only theirs:
+            # the last step of each request finishing now), or none decoded: the K last
+            # set, deepened to the drafts the step verified where a switch just came in
+            # after they were proposed deeper.
+            step_k = max(self.k, *(pos + 1 for pos, n in enumerate(drafted_pos) if n), 0)
         caps = [cap for request_id, cap in self.draft_caps.items()
                 if request_id in self.windows and cap < step_k]
-        capped_pos = tuple(min(running, sum(cap <= k for cap in caps)) for k in range(step_k))
-        step = StepRecord(running=running, waiting=waiting, k=step_k, wall_s=wall,
+        capped_pos = tuple(min(produced, sum(cap <= k for cap in caps))
+                           for k in range(step_k))
+        step = StepRecord(running=produced, waiting=waiting, k=step_k, wall_s=wall,
                           drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
                           capped_per_pos=capped_pos,
                           accepted_per_pos=accepted_pos, drafted_per_pos=drafted_pos,
@@ -254,8 +275,12 @@ def _stat_logger_factory(step_log: _StepLog):
             generated = iteration_stats.num_generation_tokens if iteration_stats else 0
             # Counted on the step that finishes a request's prefill (its first token).
             prefilled = iteration_stats.num_prompt_tokens if iteration_stats else 0
+            # vLLM notes one latency per request that made a token: the first token's of a
+            # prefill that ended, the gap since its last token of every other.
+            produced = len(iteration_stats.time_to_first_tokens_iter) + \
+                len(iteration_stats.inter_token_latencies_iter) if iteration_stats else 0
             step_log.record(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
-                            scheduler_stats.spec_decoding_stats, generated, prefilled)
+                            scheduler_stats.spec_decoding_stats, generated, prefilled, produced)
 
         def log_engine_initialized(self) -> None:
             pass
@@ -393,6 +418,9 @@ class VllmEngine:
             async for output in admitted(self.llm.generate(prompt, params, request.request_id),
                                          (ValueError, VLLMClientError)):
                 completion = output.outputs[0]
+                if output.finished and completion.finish_reason in UNFINISHED_REASONS:
+                    raise EngineRequestFailed(f"vLLM ended request {request.request_id} "
+                                              f"with finish reason {completion.finish_reason!r}")
                 completion_tokens += len(completion.token_ids)
                 yield GenerationChunk(
                     token_ids=tuple(completion.token_ids), text=completion.text,
@@ -428,7 +456,8 @@ class VllmEngine:
         return records
 
     def counters(self) -> EngineCounters:
-        return self._steps.totals.snapshot(k=self._steps.k)
+        # Running now, not the last step's batch, which held the requests it finished.
+        return self._steps.totals.snapshot(k=self._steps.k, running=self._steps.running)
 
     async def shutdown(self) -> None:
         if self._llm is not None:
