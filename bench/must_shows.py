@@ -94,8 +94,9 @@ def judge(runs: list[dict[str, Any]], pooled: dict[str, Any], mode: str, bar: fl
     """`mode`'s pooled rounds (overall, or in `phase`) against every static every run has, by
     rounds and by runs: above `bar` only if above it against every one, below it if below
     against any, else not resolved. The static shown decides: one it lies below (the
-    lowest), else the one with the lowest interval. A static that made nothing in every
-    pooled round is no contender and is passed over."""
+    lowest), else one it is not above, else any; among those, the one it leads least (by
+    the rounds' mean: an interval by few runs can be wide against a static far behind). A
+    static that made nothing in every pooled round is no contender and is passed over."""
     statics = sorted(m for m in pooled["modes"] if is_static(m))
     judged = {}
     for static in statics:
@@ -118,8 +119,8 @@ def judge(runs: list[dict[str, Any]], pooled: dict[str, Any], mode: str, bar: fl
     below = [j for j in judged.values() if j.outcome == "below"]
     if below:
         return min(below, key=lambda j: j.interval.high)
-    return min(judged.values(),
-               key=lambda j: min(j.interval.low, j.by_runs.low if j.by_runs else math.inf))
+    deciding = [j for j in judged.values() if j.outcome != "above"] or list(judged.values())
+    return min(deciding, key=lambda j: j.interval.mean)
 
 
 @dataclass(frozen=True)
